@@ -1,0 +1,1 @@
+"""Benchmarks and the one-command report: ``python -m bench``."""

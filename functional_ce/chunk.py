@@ -1,0 +1,86 @@
+"""The per-chunk cross-entropy maths: pure functions, the graphs that torch.compile sees.
+
+Both functions take one chunk of rows ``[c, V]`` in the input dtype and work in fp32.
+Backward uses the closed-form gradient and recomputes the softmax from the saved
+``logsumexp``; nothing here calls autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import ChunkOptions
+
+
+def _capped_fp32(logits_chunk: torch.Tensor, opts: ChunkOptions) -> torch.Tensor:
+    x = logits_chunk.float()
+    if opts.softcap is not None:
+        x = torch.tanh(x / opts.softcap) * opts.softcap
+    return x
+
+
+def chunk_forward(
+    logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, *, opts: ChunkOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and logsumexp of one chunk.
+
+    Args:
+        logits_chunk: ``[c, V]`` fp32, bf16 or fp16.
+        labels_chunk: ``[c]`` integer class ids; ``opts.ignore_index`` marks rows without loss.
+        opts: the loss options.
+
+    Returns:
+        ``(loss_rows, lse)``, both fp32 ``[c]``. ``loss_rows`` is 0 on ignored rows. ``lse`` is
+        the logsumexp of the (soft-capped) logits, what :func:`chunk_backward` needs.
+    """
+    x = _capped_fp32(logits_chunk, opts)
+    lse = torch.logsumexp(x, dim=-1)
+    valid = labels_chunk != opts.ignore_index
+    safe = torch.where(valid, labels_chunk, 0).long()
+    target = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss = lse - target
+    if opts.label_smoothing > 0.0:
+        eps = opts.label_smoothing
+        loss = (1.0 - eps) * loss + eps * (lse - x.mean(dim=-1))
+    if opts.z_loss > 0.0:
+        loss = loss + opts.z_loss * lse * lse
+    return torch.where(valid, loss, 0.0), lse
+
+
+def chunk_backward(
+    logits_chunk: torch.Tensor,
+    labels_chunk: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    *,
+    opts: ChunkOptions,
+) -> torch.Tensor:
+    """Gradient of ``sum(grad_rows * loss_rows)`` with respect to one chunk of logits.
+
+    Args:
+        logits_chunk: ``[c, V]``, the same values :func:`chunk_forward` saw.
+        labels_chunk: ``[c]`` integer class ids.
+        lse: ``[c]`` fp32 from :func:`chunk_forward`.
+        grad_rows: ``[c]`` fp32 upstream gradient of each row's loss.
+        opts: the loss options.
+
+    Returns:
+        ``[c, V]`` in ``logits_chunk.dtype``; zero on ignored rows.
+    """
+    x = _capped_fp32(logits_chunk, opts)
+    valid = labels_chunk != opts.ignore_index
+    safe = torch.where(valid, labels_chunk, 0).long()
+    g = torch.where(valid, grad_rows.float(), 0.0)
+    eps = opts.label_smoothing
+    p_scale = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss > 0.0 else g
+    probs = torch.exp(x - lse.unsqueeze(-1))
+    cols = torch.arange(x.shape[-1], device=x.device)
+    hit = cols.unsqueeze(0) == safe.unsqueeze(-1)
+    grad = probs * p_scale.unsqueeze(-1) - torch.where(hit, (g * (1.0 - eps)).unsqueeze(-1), 0.0)
+    if eps > 0.0:
+        grad = grad - (g * (eps / x.shape[-1])).unsqueeze(-1)
+    if opts.softcap is not None:
+        t = x / opts.softcap
+        grad = grad * (1.0 - t * t)
+    grad = torch.where(valid.unsqueeze(-1), grad, 0.0)
+    return grad.to(logits_chunk.dtype)

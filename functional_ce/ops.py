@@ -1,0 +1,156 @@
+"""Custom operators that run the chunk loop: opaque to torch.compile, with autograd registered.
+
+``chunked_ce_forward`` saves only the caller's logits (no copy), the labels and the fp32 row
+``logsumexp``; backward recomputes the softmax one fp32 chunk at a time. Because the loop lives
+inside an operator with a fake kernel, a user's ``torch.compile(fullgraph=True)`` sees one node
+whose output shapes follow the token count symbolically: no graph break and no recompilation
+per chunk count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compiled import run_chunk
+from .options import ChunkOptions
+
+_LIB = "functional_ce"
+
+
+def _opts(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
+    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
+
+
+def _compile_flag(compile_chunks: int):
+    # -1: follow FUNCTIONAL_CE_COMPILE, 0: eager, 1: compiled.
+    return None if compile_chunks < 0 else bool(compile_chunks)
+
+
+@torch.library.custom_op(f"{_LIB}::chunked_ce_forward", mutates_args=())
+def chunked_ce_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk_size: int,
+    compile_chunks: int,
+    inplace_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [N, V]``, ``labels [N]`` -> ``(loss_rows fp32 [N], lse fp32 [N])``."""
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    n = logits.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    flag = _compile_flag(compile_chunks)
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        loss_c, lse_c = run_chunk("forward", flag, logits[start:stop], labels[start:stop], opts=opts)
+        loss[start:stop] = loss_c
+        lse[start:stop] = lse_c
+    return loss, lse
+
+
+@chunked_ce_forward.register_fake
+def _(logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace_grad):
+    n = logits.shape[0]
+    return (
+        logits.new_empty(n, dtype=torch.float32),
+        logits.new_empty(n, dtype=torch.float32),
+    )
+
+
+def _backward_loop(out, grad_rows, logits, labels, lse, opts, chunk_size, flag) -> None:
+    n = logits.shape[0]
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        out[start:stop] = run_chunk(
+            "backward", flag, logits[start:stop], labels[start:stop], lse[start:stop],
+            grad_rows[start:stop], opts=opts,
+        )
+
+
+@torch.library.custom_op(f"{_LIB}::chunked_ce_backward", mutates_args=())
+def chunked_ce_backward(
+    grad_rows: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk_size: int,
+    compile_chunks: int,
+) -> torch.Tensor:
+    """Gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits``, a new ``[N, V]`` tensor."""
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    _backward_loop(grad, grad_rows, logits, labels, lse, opts, chunk_size, _compile_flag(compile_chunks))
+    return grad
+
+
+@chunked_ce_backward.register_fake
+def _(grad_rows, logits, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op(f"{_LIB}::chunked_ce_backward_", mutates_args=("logits",))
+def chunked_ce_backward_(
+    grad_rows: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk_size: int,
+    compile_chunks: int,
+) -> None:
+    """As :func:`chunked_ce_backward`, but overwrites ``logits`` with the gradient, chunk by chunk."""
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    _backward_loop(logits, grad_rows, logits, labels, lse, opts, chunk_size, _compile_flag(compile_chunks))
+
+
+@chunked_ce_backward_.register_fake
+def _(grad_rows, logits, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
+    return None
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    logits, labels, *scalars = inputs
+    ctx.scalars = scalars  # ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace
+    ctx.save_for_backward(logits, labels, output[1])
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    logits, labels, lse = ctx.saved_tensors
+    *args, inplace_grad = ctx.scalars
+    if grad_loss is None or not ctx.needs_input_grad[0]:
+        return (None,) * 9
+    grad_loss = grad_loss.float()
+    if inplace_grad:
+        chunked_ce_backward_(grad_loss, logits, labels, lse, *args)
+        grad = logits
+    else:
+        grad = chunked_ce_backward(grad_loss, logits, labels, lse, *args)
+    return (grad,) + (None,) * 8
+
+
+chunked_ce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "functional_ce cross-entropy does not support double backward (create_graph=True followed by "
+        "another backward through the loss gradient); use torch.nn.functional.cross_entropy for that"
+    )
+
+
+def _save_nothing(ctx, inputs, output) -> None:
+    pass
+
+
+chunked_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)

@@ -1,0 +1,151 @@
+"""Loss options and the input checks shared by every public loss entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Literal, Optional, Union
+
+import torch
+
+ChunkSize = Union[int, Literal["auto"], None]
+Reduction = Literal["sum", "mean", "none"]
+
+#: Bytes that one fp32 chunk of logits may take when ``chunk_size="auto"``.
+AUTO_CHUNK_BYTES = 256 * 1024 * 1024
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("sum", "mean", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkOptions:
+    """What the per-chunk maths depends on, besides tensors.
+
+    Frozen and hashable so that a compiled chunk graph specialises on it and on nothing else.
+
+    Attributes:
+        ignore_index: label value whose rows contribute no loss and get zero gradient.
+        label_smoothing: epsilon of ``torch.nn.functional.cross_entropy``'s definition, in [0, 1].
+        z_loss: coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
+        softcap: if set, logits are replaced by ``softcap * tanh(logits / softcap)`` first.
+    """
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        ls = _real("label_smoothing", self.label_smoothing)
+        if not 0.0 <= ls <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
+        z = _real("z_loss", self.z_loss)
+        if not z >= 0.0:
+            raise ValueError(f"z_loss must be >= 0, got {self.z_loss!r}")
+        if self.softcap is not None:
+            cap = _real("softcap", self.softcap)
+            if not cap > 0.0:
+                raise ValueError(f"softcap must be None or > 0, got {self.softcap!r}")
+            object.__setattr__(self, "softcap", cap)
+        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        object.__setattr__(self, "label_smoothing", ls)
+        object.__setattr__(self, "z_loss", z)
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def resolve_chunk_size(chunk_size: ChunkSize, n_rows: int, row_bytes: int) -> int:
+    """Rows per chunk for ``n_rows`` rows whose fp32 form takes ``row_bytes`` bytes each.
+
+    ``"auto"`` bounds one fp32 chunk to about ``AUTO_CHUNK_BYTES``; ``None`` is one chunk.
+    """
+    if chunk_size == "auto":
+        rows = max(1, AUTO_CHUNK_BYTES // max(1, row_bytes))
+        if rows >= 64:
+            rows -= rows % 32  # aligned chunks vectorise better
+    elif chunk_size is None:
+        rows = n_rows
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
+    elif chunk_size <= 0:
+        raise ValueError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size}')
+    else:
+        rows = int(chunk_size)
+    return max(1, min(rows, n_rows))
+
+
+def check_reduction(reduction: str, num_label_tokens: object) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if num_label_tokens is None:
+        return
+    if reduction != "sum":
+        raise ValueError(
+            f'num_label_tokens divides a summed loss and needs reduction="sum", got reduction={reduction!r}'
+        )
+    if isinstance(num_label_tokens, torch.Tensor):
+        if num_label_tokens.numel() != 1:
+            raise ValueError(
+                f"num_label_tokens must be a scalar, got a tensor of shape {tuple(num_label_tokens.shape)}"
+            )
+    elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
+        raise TypeError(f"num_label_tokens must be a number or a scalar tensor, got {num_label_tokens!r}")
+    elif num_label_tokens < 0:
+        raise ValueError(f"num_label_tokens must be >= 0, got {num_label_tokens}")
+
+
+def check_float(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t
+
+
+def check_labels(labels: object, batch_shape: torch.Size, device: torch.device, what: str) -> torch.Tensor:
+    """Labels must be an integer tensor of ``batch_shape`` on ``device``."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    if labels.shape != batch_shape:
+        raise ValueError(
+            f"labels must have shape {tuple(batch_shape)} ({what} without its last dim), got {tuple(labels.shape)}"
+        )
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but {what} is on {device}; move both to one device")
+    return labels
+
+
+def check_token_tensor(name: str, t: Optional[torch.Tensor], batch_shape: torch.Size, device: torch.device) -> None:
+    """``mask`` / ``weights``: one value per token, on the logits' device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != batch_shape:
+        raise ValueError(f"{name} must have shape {tuple(batch_shape)} (one value per label), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the logits are on {device}")
+    if name == "weights" and not t.dtype.is_floating_point:
+        raise TypeError(f"weights must be a floating-point tensor, got {t.dtype}")
+
+
+def check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU)."""
+    if labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    bad = ((labels < 0) | (labels >= n_classes)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"labels must be in [0, {n_classes}) or equal ignore_index={ignore_index}; got {int(bad.sum())} "
+            f"label(s) outside, e.g. {first}"
+        )

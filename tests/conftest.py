@@ -1,0 +1,37 @@
+"""Shared test configuration: hypothesis profiles and a reused torch.compile cache.
+
+Profiles: ``dev`` (default, fast), ``ci`` (derandomised, no deadline, no example database;
+chosen when ``CI=true``), ``nightly`` (many examples; ``HYPOTHESIS_PROFILE=nightly``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from hypothesis import HealthCheck, settings
+
+# Compiled graphs are cached across test runs on the same machine (first compile: 10-20 s).
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "lean-llm-train-inductor")
+)
+# Property tests exercise the maths eagerly; compiled chunk graphs are tested explicitly.
+os.environ.setdefault("FUNCTIONAL_CE_COMPILE", "0")
+
+_slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("dev", max_examples=20, deadline=None, suppress_health_check=_slow_ok)
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=_slow_ok,
+)
+settings.register_profile(
+    "nightly", max_examples=400, deadline=None, suppress_health_check=_slow_ok
+)
+
+_default = "ci" if os.environ.get("CI", "").lower() == "true" else "dev"
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
