@@ -1,0 +1,304 @@
+"""A generic, version-gated table of monkey patches with reference-counted undo handles.
+
+A :class:`PatchRecord` is data: which attribute to replace (``target``, ``"module:attr[.attr]"``),
+for which Transformers releases (``versions``, a ``packaging`` specifier set), a ``probe`` that
+checks the original object still has the shape the replacement was written for, and a
+``build`` function that makes the replacement from the original.
+
+:func:`apply_records` checks every record first (gate, target, probe) and only then patches,
+so a failure never leaves a half-applied set. It returns a :class:`PatchHandle` that undoes
+exactly what it did. Patches are reference counted per target: applying the same record twice
+is a no-op, and the original comes back when the last handle is removed.
+
+Outcomes per record:
+
+- the gate excludes the installed release -> ``skipped`` (nothing patched, reason says why);
+- the gate admits it but the target is missing or the probe returns a reason -> a
+  :class:`PatchError` naming the installed version and the tested range (``strict=False``
+  logs a warning instead and the record is ``failed``);
+- the installed release is newer than the newest tested one -> the probes still run, and a
+  warning is issued once per process.
+
+This module knows nothing about what the patches do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+__all__ = [
+    "PatchRecord",
+    "PatchHandle",
+    "PatchError",
+    "StatusRow",
+    "apply_records",
+    "record_status",
+    "installed_version",
+    "NEWEST_TESTED",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Newest Transformers release the records of this library were tested against. A record may
+#: name its own (``PatchRecord.newest_tested``).
+NEWEST_TESTED = "5.24.0"
+
+
+class PatchError(RuntimeError):
+    """A record admitted by its version gate cannot be applied (missing target or failed probe)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchRecord:
+    """One patch, as data.
+
+    ``probe(original) -> None`` when ``original`` has the expected shape, else a short reason.
+    ``build(original) -> replacement``. ``epoch`` groups records for readers
+    (``"4.53-5.3"``); ``newest_tested`` overrides :data:`NEWEST_TESTED` for this record.
+    """
+
+    name: str
+    target: str
+    versions: str
+    probe: Callable[[Any], Optional[str]]
+    build: Callable[[Any], Any]
+    epoch: str = ""
+    doc: str = ""
+    newest_tested: str = ""
+
+    def __post_init__(self) -> None:
+        module, sep, attr = self.target.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(
+                f"PatchRecord.target must be 'module:attribute[.attribute]', got {self.target!r}; "
+                "for example 'transformers.masking_utils:_preprocess_mask_arguments'"
+            )
+        try:
+            SpecifierSet(self.versions)
+        except InvalidSpecifier as exc:
+            raise ValueError(
+                f"PatchRecord.versions must be a packaging specifier set such as '>=4.53,<5.4', "
+                f"got {self.versions!r} ({exc})"
+            ) from None
+        if not callable(self.probe) or not callable(self.build):
+            raise TypeError(f"PatchRecord {self.name!r}: probe and build must be callables")
+
+    def admits(self, version: str) -> bool:
+        """Whether the version gate admits ``version`` (pre-releases included)."""
+        return SpecifierSet(self.versions).contains(Version(version), prereleases=True)
+
+    def tested_range(self) -> str:
+        """Human-readable tested range: the gate and the newest tested release."""
+        return f"transformers {self.versions} (tested up to {self.newest_tested or NEWEST_TESTED})"
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusRow:
+    """One line of :func:`record_status`: ``state`` is applied / available / skipped / failed."""
+
+    name: str
+    target: str
+    versions: str
+    state: str
+    reason: str
+    epoch: str = ""
+
+
+def installed_version() -> str:
+    """The imported ``transformers.__version__`` (what is really on ``sys.path``)."""
+    import transformers
+
+    return str(transformers.__version__)
+
+
+# target -> [record, owner object, attribute name, original, replacement, refcount]
+_ACTIVE: dict[str, list[Any]] = {}
+_LOCK = threading.RLock()
+_WARNED_NEWER: set[tuple[str, str]] = set()
+
+
+def _resolve(target: str) -> tuple[Any, str, Any]:
+    """``"pkg.mod:a.b"`` -> (owner of ``b``, ``"b"``, current value). Raises LookupError."""
+    module_name, _, path = target.partition(":")
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"module {module_name!r} cannot be imported ({exc})") from None
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if not hasattr(owner, part):
+            raise LookupError(f"{module_name!r} has no attribute path {path!r} (stops at {part!r})")
+        owner = getattr(owner, part)
+    if not hasattr(owner, parts[-1]):
+        raise LookupError(f"{module_name!r} has no attribute {path!r}")
+    return owner, parts[-1], getattr(owner, parts[-1])
+
+
+def _original(record: PatchRecord) -> Any:
+    """The unpatched object behind ``record.target`` (looks through an active patch)."""
+    active = _ACTIVE.get(record.target)
+    if active is not None:
+        return active[3]
+    return _resolve(record.target)[2]
+
+
+def _check(record: PatchRecord, version: str) -> tuple[str, str]:
+    """(state, reason) for one record without patching: available / skipped / failed."""
+    if not record.admits(version):
+        return "skipped", f"transformers {version} is outside {record.versions}"
+    try:
+        original = _original(record)
+    except LookupError as exc:
+        return "failed", f"target {record.target} missing: {exc}"
+    try:
+        reason = record.probe(original)
+    except Exception as exc:  # a probe that crashes is a failed probe, not a crash of the caller
+        reason = f"probe raised {type(exc).__name__}: {exc}"
+    if reason:
+        return "failed", f"probe of {record.target} failed: {reason}"
+    return "available", ""
+
+
+def _warn_if_newer(records: Sequence[PatchRecord], version: str) -> None:
+    for rec in records:
+        newest = rec.newest_tested or NEWEST_TESTED
+        if rec.admits(version) and Version(version) > Version(newest):
+            key = (version, newest)
+            if key not in _WARNED_NEWER:
+                _WARNED_NEWER.add(key)
+                msg = (
+                    f"transformers {version} is newer than the newest release these patches were "
+                    f"tested on ({newest}); the probes passed or are being run, but check "
+                    "model_patches status and run the packing tests before trusting results"
+                )
+                logger.warning(msg)
+                warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+class PatchHandle:
+    """Undo handle of :func:`apply_records`; also a context manager.
+
+    ``remove()`` releases this handle's references; a target gets its original back when the
+    last handle holding it is removed. Removing twice is a no-op.
+    """
+
+    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow]) -> None:
+        self._targets = list(targets)
+        self.rows: list[StatusRow] = list(rows)  # what apply_records did, one row per record
+        self._removed = False
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` is called."""
+        return not self._removed
+
+    def remove(self) -> None:
+        with _LOCK:
+            if self._removed:
+                return
+            self._removed = True
+            for target in reversed(self._targets):
+                entry = _ACTIVE.get(target)
+                if entry is None:
+                    continue
+                entry[5] -= 1
+                if entry[5] > 0:
+                    continue
+                del _ACTIVE[target]
+                record, owner, attr, original, replacement, _ = entry
+                current = getattr(owner, attr, None)
+                if current is not replacement:
+                    logger.warning(
+                        "%s was replaced again by someone else after %r patched it; restoring the "
+                        "original anyway", target, record.name,
+                    )
+                setattr(owner, attr, original)
+                logger.info("restored %s (%s)", target, record.name)
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"PatchHandle({len(self._targets)} patches, {state})"
+
+
+def apply_records(
+    records: Sequence[PatchRecord], *, strict: bool = True, version: Optional[str] = None
+) -> PatchHandle:
+    """Apply every record whose gate and probe pass; return the undo handle.
+
+    ``version`` overrides the detected Transformers version (for tests of the gate logic).
+    With ``strict=True`` any admitted record that cannot be applied raises :class:`PatchError`
+    before anything is patched; with ``strict=False`` it is logged and left out.
+    """
+    version = version or installed_version()
+    with _LOCK:
+        _warn_if_newer(records, version)
+        checks = [(rec, *_check(rec, version)) for rec in records]
+        failed = [(rec, reason) for rec, state, reason in checks if state == "failed"]
+        if failed:
+            lines = "\n".join(f"  - {r.name}: {why} [for {r.tested_range()}]" for r, why in failed)
+            msg = (
+                f"transformers {version} is installed, and {len(failed)} patch record(s) admitted "
+                f"by their version gate cannot be applied:\n{lines}\n"
+                "Fix: install a Transformers release inside the tested range, or pass strict=False "
+                "to continue without these patches (their features are then unavailable)."
+            )
+            if strict:
+                raise PatchError(msg)
+            logger.warning(msg)
+        targets: list[str] = []
+        rows: list[StatusRow] = []
+        for rec, state, reason in checks:
+            if state == "available":
+                _patch(rec)
+                targets.append(rec.target)
+                state = "applied"
+            elif state == "skipped":
+                logger.debug("skipped %s: %s", rec.name, reason)
+            rows.append(StatusRow(rec.name, rec.target, rec.versions, state, reason, rec.epoch))
+        return PatchHandle(targets, rows)
+
+
+def _patch(rec: PatchRecord) -> None:
+    entry = _ACTIVE.get(rec.target)
+    if entry is not None:
+        if entry[0] != rec:
+            raise PatchError(
+                f"{rec.target} is already patched by record {entry[0].name!r}; record {rec.name!r} "
+                "cannot patch it too. Remove the other handle first."
+            )
+        entry[5] += 1
+        return
+    owner, attr, original = _resolve(rec.target)
+    replacement = rec.build(original)
+    setattr(owner, attr, replacement)
+    _ACTIVE[rec.target] = [rec, owner, attr, original, replacement, 1]
+    logger.info("patched %s (%s)", rec.target, rec.name)
+
+
+def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> list[StatusRow]:
+    """One row per record: applied (by a live handle), available, skipped or failed, and why."""
+    version = version or installed_version()
+    rows = []
+    with _LOCK:
+        for rec in records:
+            entry = _ACTIVE.get(rec.target)
+            if entry is not None and entry[0] == rec:
+                state, reason = "applied", f"{entry[5]} live handle(s)"
+            else:
+                state, reason = _check(rec, version)
+            rows.append(StatusRow(rec.name, rec.target, rec.versions, state, reason, rec.epoch))
+    return rows
