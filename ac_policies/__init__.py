@@ -1,3 +1,42 @@
-"""Activation checkpointing expressed as declarative predicate tables over module names."""
+"""Activation checkpointing expressed as declarative predicate tables over module names.
 
-__all__: list[str] = []
+```python
+import ac_policies
+print(ac_policies.plan(model, "non_moe"))            # what would happen, as a table
+handle = ac_policies.apply_policy(model, "non_moe")  # do it; handle.remove() undoes it
+table = [ac_policies.Rule(match="model.layers.*", when="moe", action="none"),
+         {"match": "*", "when": "attention", "action": "checkpoint"}]
+ac_policies.apply_policy(model, table)
+```
+"""
+
+from .apply import PolicyHandle, apply_policy
+from .plan import ACPolicyWarning, Plan, PlanRow, plan
+from .predicates import Predicate, all_of, any_of, inside, layers, not_, predicate, register_predicate
+from .presets import PRESETS, resolve_policy
+from .rules import ACTIONS, Rule
+from .selective import DEFAULT_SAVE_OPS
+from .table import Policy
+
+__all__ = [
+    "ACTIONS",
+    "ACPolicyWarning",
+    "DEFAULT_SAVE_OPS",
+    "PRESETS",
+    "Plan",
+    "PlanRow",
+    "Policy",
+    "PolicyHandle",
+    "Predicate",
+    "Rule",
+    "all_of",
+    "any_of",
+    "apply_policy",
+    "inside",
+    "layers",
+    "not_",
+    "plan",
+    "predicate",
+    "register_predicate",
+    "resolve_policy",
+]

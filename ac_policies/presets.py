@@ -1,0 +1,96 @@
+"""Presets are tables, and the one place that turns user input into a :class:`Policy`.
+
+- ``full``: every decoder block is one checkpoint region (what Hugging Face's gradient
+  checkpointing does); on a MoE model this recomputes the router and experts in backward.
+- ``selective``: every decoder block runs under op-level checkpointing: matmul and attention
+  outputs are kept, pointwise ops are recomputed.
+- ``non_moe``: attention, linear attention, norms and dense MLPs are checkpointed one submodule
+  at a time; the MoE block and everything in it (router, experts, shared experts) is never
+  checkpointed. Requires a MoE block.
+- ``non_moe_no_attn``: as ``non_moe`` with softmax self-attention also left out (it keeps its
+  activations, e.g. for fused attention kernels that are costly to rerun). Linear-attention
+  mixers (gated delta-net, Mamba-style) are still checkpointed: their saved chunk states are
+  large and their recompute is cheap. Requires a MoE block.
+- ``none``: nothing is checkpointed.
+
+Names are normalised (case, ``-``/``_``/spaces); ``True`` means ``full`` and ``False``/``None``
+mean ``none``.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from .predicates import NAMED_PREDICATES as P
+from .predicates import all_of, any_of, inside, not_
+from .rules import Rule
+from .table import Policy, PolicyLike
+
+__all__ = ["PRESETS", "resolve_policy", "normalise_name"]
+
+_in_moe = any_of(P["moe"], inside(P["moe"]))
+_mixer = any_of(P["attention"], P["linear_attention"])
+_block_norm = all_of(P["norm"], not_(inside(any_of(P["attention"], P["linear_attention"]))))
+
+_FULL = Policy((Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),), name="full")
+_SELECTIVE = Policy((Rule(when="decoder_block", action="selective", on_unmatched="error"),), name="selective")
+_NON_MOE = Policy(
+    (
+        Rule(when=_in_moe, action="none", on_unmatched="error"),
+        Rule(when=_mixer, action="checkpoint"),
+        Rule(when=_block_norm, action="checkpoint"),
+        Rule(when="dense_mlp", action="checkpoint", on_unmatched="ignore"),
+    ),
+    name="non_moe",
+)
+_NON_MOE_NO_ATTN = Policy(
+    (
+        Rule(when=_in_moe, action="none", on_unmatched="error"),
+        Rule(when="attention", action="none"),
+        Rule(when="linear_attention", action="checkpoint", on_unmatched="ignore"),
+        Rule(when=_block_norm, action="checkpoint"),
+        Rule(when="dense_mlp", action="checkpoint", on_unmatched="ignore"),
+    ),
+    name="non_moe_no_attn",
+)
+_NONE = Policy((), name="none")
+
+PRESETS: Mapping[str, Policy] = MappingProxyType(
+    {
+        "full": _FULL,
+        "selective": _SELECTIVE,
+        "non_moe": _NON_MOE,
+        "non_moe_no_attn": _NON_MOE_NO_ATTN,
+        "none": _NONE,
+    }
+)
+
+
+def normalise_name(name: str) -> str:
+    """``"Non-MoE"`` -> ``"non_moe"``."""
+    return "_".join(name.strip().lower().replace("-", " ").replace("_", " ").split())
+
+
+def resolve_policy(policy: PolicyLike) -> Policy:
+    """A :class:`Policy` from a preset name, a bool/None, a Policy or a list of rules/dicts."""
+    if policy is None or policy is False:
+        return _NONE
+    if policy is True:
+        return _FULL
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        key = normalise_name(policy)
+        if key not in PRESETS:
+            raise ValueError(
+                f"unknown activation-checkpointing preset {policy!r}; valid presets: {sorted(PRESETS)} "
+                "(or pass a table: a list of Rule or dicts)"
+            )
+        return PRESETS[key]
+    if isinstance(policy, (list, tuple)):
+        return Policy(tuple(policy))
+    raise TypeError(
+        f"policy must be a preset name, a bool, a Policy or a list of rules/dicts, got {type(policy).__name__}"
+    )
+

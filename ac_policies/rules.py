@@ -1,0 +1,112 @@
+"""A rule: which modules (a whole-name glob and a structural predicate) get which action."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Optional
+
+from torch import nn
+
+from .predicates import _paren, resolve_predicate
+from .selective import resolve_ops
+
+__all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
+
+# checkpoint: non-reentrant torch.utils.checkpoint with RNG state preserved.
+# selective:  op-level save/recompute through torch's selective-checkpoint policy.
+# offload:    run as is, keeping saved activations in CPU memory (torch.autograd.graph.save_on_cpu).
+# none:       leave the module alone (stops later rules from matching it).
+ACTIONS = ("checkpoint", "selective", "offload", "none")
+
+_KEYS = ("match", "when", "action", "ops", "on_unmatched")
+# what planning does when a rule matches no module of the model
+ON_UNMATCHED = ("warn", "error", "ignore")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of a policy table.
+
+    ``match``: an ``fnmatch`` glob over the *whole* fully qualified module name (case
+    sensitive; ``*`` also crosses dots, so ``model.layers.*.mlp`` matches ``model.layers.3.mlp``
+    but never ``model.layers.3.mlp_norm``). ``when``: an optional structural predicate (a name
+    such as ``"moe"``, a config dict, a :class:`Predicate` or any ``(fqn, module) -> bool``).
+    ``action``: one of :data:`ACTIONS`. ``ops``: aten op names a ``selective`` rule saves
+    (``None``: :data:`~ac_policies.selective.DEFAULT_SAVE_OPS`). ``on_unmatched``: what
+    planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
+    (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows
+    covering module kinds a model may lack, such as dense MLPs in an all-MoE model).
+    """
+
+    match: str = "*"
+    when: Optional[Any] = None
+    action: str = "checkpoint"
+    ops: Optional[tuple[str, ...]] = None
+    on_unmatched: str = "warn"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.match, str) or not self.match:
+            raise TypeError(f"Rule.match must be a non-empty glob string like 'model.layers.*', got {self.match!r}")
+        if not isinstance(self.action, str) or self.action.strip().lower() not in ACTIONS:
+            raise ValueError(f"Rule.action must be one of {list(ACTIONS)}, got {self.action!r}")
+        object.__setattr__(self, "action", self.action.strip().lower())
+        if self.when is not None:
+            object.__setattr__(self, "when", resolve_predicate(self.when))
+        if self.ops is not None:
+            if self.action != "selective":
+                raise ValueError(f"Rule.ops only applies to action='selective', got ops with action={self.action!r}")
+            if isinstance(self.ops, str) or not all(isinstance(o, str) for o in self.ops):
+                raise TypeError(f"Rule.ops must be a list of aten op names, got {self.ops!r}")
+            object.__setattr__(self, "ops", tuple(self.ops))
+            resolve_ops(self.ops)  # fail at construction, not mid-forward
+        if self.on_unmatched not in ON_UNMATCHED:
+            raise ValueError(f"Rule.on_unmatched must be one of {list(ON_UNMATCHED)}, got {self.on_unmatched!r}")
+
+    def matches(self, fqn: str, module: nn.Module) -> bool:
+        """Whether this rule applies to the module called ``fqn``."""
+        if not fnmatch.fnmatchcase(fqn, self.match):
+            return False
+        return self.when is None or self.when(fqn, module)
+
+    def __str__(self) -> str:
+        parts = [] if self.match == "*" else [f"match({self.match!r})"]
+        if self.when is not None:
+            parts.append(_paren(self.when) if parts else self.when.name)
+        text = " & ".join(parts) or "*"
+        ops = f" ops={list(self.ops)}" if self.ops is not None else ""
+        req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
+        return f"{text} -> {self.action}{ops}{req}"
+
+    # ---- config form ------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON/YAML-ready); raises TypeError for a predicate without a config form."""
+        out: dict[str, Any] = {"match": self.match, "action": self.action}
+        if self.when is not None:
+            if self.when.spec is None:
+                raise TypeError(
+                    f"rule {self} uses the Python predicate {self.when.name!r}, which has no config form; "
+                    "register it with ac_policies.register_predicate(name, fn) to serialise it by name"
+                )
+            out["when"] = self.when.spec
+        if self.ops is not None:
+            out["ops"] = list(self.ops)
+        if self.on_unmatched != "warn":
+            out["on_unmatched"] = self.on_unmatched
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Rule":
+        """The inverse of :meth:`to_dict`; unknown keys raise ValueError."""
+        if isinstance(data, Rule):
+            return data
+        if not isinstance(data, dict):
+            raise TypeError(f"a rule is a dict like {{'match': 'model.layers.*', 'action': 'checkpoint'}}, got {data!r}")
+        extra = set(data) - set(_KEYS)
+        if extra:
+            raise ValueError(f"unknown rule keys {sorted(extra)}; expected some of {list(_KEYS)}")
+        kw = dict(data)
+        if kw.get("ops") is not None:
+            kw["ops"] = tuple(kw["ops"])
+        return cls(**kw)

@@ -1,0 +1,91 @@
+"""Tiny random-init Hugging Face models for the ac_policies tests (no downloads).
+
+Every family is built with ``AutoConfig.for_model`` at hidden size 32 and 2 layers; MoE
+families get 4 experts, top-2. DeepSeek-V3 and GLM4-MoE keep their first layer dense
+(``first_k_dense_replace=1``); Qwen3-Next alternates linear and full attention; GPT-OSS
+alternates sliding and full attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=128,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        head_dim=None,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "glm4_moe": dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=1, pad_token_id=0),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+    "qwen3_next": dict(
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+}
+MOE_FAMILIES = [f for f in FAMILIES if f != "llama"]
+
+
+def build(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny fp32 causal LM of ``family`` with seeded random weights, in training mode."""
+    import transformers
+
+    kw = {**_COMMON, **FAMILIES[family], **overrides}
+    kw = {k: v for k, v in kw.items() if v is not None}
+    cfg = transformers.AutoConfig.for_model(family, **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.float().train()
+
+
+def batch(seed: int = 0, b: int = 2, s: int = 12, vocab: int = 128) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (b, s), generator=g)
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward+backward with labels = ids; returns the loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads
