@@ -6,7 +6,8 @@
 """
 
 from .chunk import chunk_backward, chunk_forward
+from .linear_loss import linear_cross_entropy
 from .loss import cross_entropy
 from .options import ChunkOptions
 
-__all__ = ["ChunkOptions", "chunk_backward", "chunk_forward", "cross_entropy"]
+__all__ = ["ChunkOptions", "chunk_backward", "chunk_forward", "cross_entropy", "linear_cross_entropy"]

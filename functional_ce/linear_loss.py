@@ -1,0 +1,136 @@
+"""``linear_cross_entropy``: the eager shell around the hidden-state chunked operator."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import linear_ops
+from .loss import reduce_rows
+from .options import (
+    AUTO_CHUNK_BYTES,
+    ChunkOptions,
+    ChunkSize,
+    Reduction,
+    check_float,
+    check_label_range,
+    check_labels,
+    check_reduction,
+    check_token_tensor,
+    resolve_chunk_size,
+)
+
+#: ``chunk_size="auto"`` bounds one fp32 chunk of logits to this many bytes. Smaller than the
+#: logits form's budget: here the chunk is the only vocabulary-wide buffer, and the matmuls
+#: stay efficient at a few hundred rows.
+LINEAR_AUTO_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def _check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
+    hidden = check_float("hidden", hidden)
+    weight = check_float("weight", weight)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dim [..., H], got a 0-dim tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H] (an lm_head weight), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight shape "
+            f"{tuple(weight.shape)}; pass the [vocab, hidden] weight (not its transpose)"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V=0")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"hidden and weight must have one dtype, got hidden {hidden.dtype} and weight {weight.dtype}; "
+            "cast one of them (e.g. hidden.to(weight.dtype))"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}; move both to one device")
+    if bias is None:
+        return
+    bias = check_float("bias", bias)
+    if bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) (one value per class), got {tuple(bias.shape)}")
+    if bias.dtype != weight.dtype:
+        raise TypeError(f"bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
+    if bias.device != weight.device:
+        raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    mask: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
+    reduction: Reduction = "sum",
+    num_label_tokens: Union[int, float, torch.Tensor, None] = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: Optional[float] = None,
+    chunk_size: ChunkSize = "auto",
+    compile_chunks: Optional[bool] = None,
+) -> torch.Tensor:
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` without ever building them.
+
+    Same result as ``functional_ce.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``
+    (fp32 loss maths), but no ``[N, V]`` tensor is allocated in forward or backward: each chunk
+    of ``chunk_size`` token rows computes its ``[c, V]`` logits, its loss and ``logsumexp``, and
+    drops them. Autograd saves only ``hidden``, ``weight``, ``bias``, the labels and one fp32
+    ``logsumexp`` per row; backward recomputes each chunk's logits. The weight and bias
+    gradients are accumulated in fp32 and returned in the weight's dtype.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16 (e.g. the decoder's last hidden state).
+        weight: ``[V, H]`` of ``hidden``'s dtype and device (an ``lm_head.weight``).
+        labels: ``[...]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
+        bias: ``[V]`` or None.
+        ignore_index, mask, weights, reduction, num_label_tokens, label_smoothing, z_loss, softcap:
+            as in :func:`functional_ce.cross_entropy`.
+        chunk_size: token rows per chunk. ``"auto"`` bounds one fp32 ``[c, V]`` chunk to about
+            ``LINEAR_AUTO_CHUNK_BYTES``; ``None`` is one chunk; an int is rows per chunk.
+        compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
+            environment sets ``FUNCTIONAL_CE_COMPILE=0``); falls back to eager if compiling fails.
+
+    Returns:
+        fp32 scalar for ``"sum"`` / ``"mean"``; fp32 ``[...]`` for ``"none"``.
+
+    Raises:
+        TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range
+        (labels outside ``[0, V)`` are checked in eager mode only, as in ``cross_entropy``).
+    """
+    _check_linear_inputs(hidden, weight, bias)
+    batch_shape = hidden.shape[:-1]
+    n_classes, width = weight.shape
+    labels = check_labels(labels, batch_shape, hidden.device, "hidden")
+    check_token_tensor("mask", mask, batch_shape, hidden.device)
+    check_token_tensor("weights", weights, batch_shape, hidden.device)
+    check_reduction(reduction, num_label_tokens)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    check_label_range(labels, n_classes, opts.ignore_index)
+
+    hidden2d = hidden.reshape(-1, width)
+    labels1d = labels.reshape(-1).long()
+    if mask is not None:
+        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
+    # resolve_chunk_size budgets AUTO_CHUNK_BYTES per chunk; scale the row size to get ours.
+    row_bytes = n_classes * 4 * max(1, AUTO_CHUNK_BYTES // LINEAR_AUTO_CHUNK_BYTES)
+    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], row_bytes)
+    loss_rows, _ = linear_ops.linear_ce_forward(
+        hidden2d,
+        weight,
+        bias,
+        labels1d,
+        opts.ignore_index,
+        opts.label_smoothing,
+        opts.z_loss,
+        opts.softcap or 0.0,
+        rows,
+        -1 if compile_chunks is None else int(bool(compile_chunks)),
+    )
+    return reduce_rows(loss_rows, labels1d, opts.ignore_index, batch_shape, weights, reduction, num_label_tokens)

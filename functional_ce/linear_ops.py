@@ -1,0 +1,209 @@
+"""Custom operators running the hidden-state chunk loop, with autograd registered.
+
+``linear_ce_forward`` saves only what the caller already owns (hidden, weight, bias, labels)
+plus the fp32 row ``logsumexp`` (O(N)). Backward recomputes each chunk's logits, returns the
+hidden gradient chunk by chunk, and accumulates the weight (and bias) gradient in fp32, returned
+in the weight's dtype. No ``[N, V]`` tensor exists in forward or backward. As with
+:mod:`functional_ce.ops`, the loop sits inside operators with fake kernels, so a user's
+``torch.compile(fullgraph=True)`` sees one node per direction: no graph break, and no
+recompilation when the token count or chunk count changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from .compiled import compile_by_default
+from .linear_chunk import linear_chunk_backward, linear_chunk_forward
+from .options import ChunkOptions
+
+logger = logging.getLogger(__name__)
+
+_LIB = "functional_ce"
+#: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
+_PARTIAL_BYTES = 32 * 1024 * 1024
+_FUNCS = {"forward": linear_chunk_forward, "backward": linear_chunk_backward}
+_broken: set[str] = set()
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str) -> Callable:
+    return torch.compile(_FUNCS[name], dynamic=False, fullgraph=True)
+
+
+def _run(name: str, flag: Optional[bool], hidden_c, weight, bias, labels_c, *rows, opts: ChunkOptions):
+    """Run one chunk function, compiled when asked (``flag``/environment) and possible."""
+    fn = _FUNCS[name]
+    use_compiled = compile_by_default() if flag is None else flag
+    if not use_compiled or name in _broken or torch.compiler.is_compiling():
+        return fn(hidden_c, weight, bias, labels_c, *rows, opts=opts)
+    # Only the row count varies (tail chunk, token count per step): one graph serves all.
+    for t in (hidden_c, labels_c, *rows):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    try:
+        return _compiled(name)(hidden_c, weight, bias, labels_c, *rows, opts=opts)
+    except Exception as exc:  # a missing compiler, an unsupported platform, ...
+        _broken.add(name)
+        logger.warning(
+            "functional_ce: compiling linear_chunk_%s failed (%s: %s); using the eager chunk function. "
+            "Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
+            name,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+        return fn(hidden_c, weight, bias, labels_c, *rows, opts=opts)
+
+
+def _opts(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
+    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
+
+
+def _flag(compile_chunks: int) -> Optional[bool]:
+    # -1: follow FUNCTIONAL_CE_COMPILE, 0: eager, 1: compiled.
+    return None if compile_chunks < 0 else bool(compile_chunks)
+
+
+@torch.library.custom_op(f"{_LIB}::linear_ce_forward", mutates_args=())
+def linear_ce_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk_size: int,
+    compile_chunks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [N, H]``, ``weight [V, H]``, ``bias [V]?``, ``labels [N]`` -> fp32 ``(loss_rows, lse)`` ``[N]``."""
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    flag = _flag(compile_chunks)
+    n = hidden.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        loss_c, lse_c = _run("forward", flag, hidden[start:stop], weight, bias, labels[start:stop], opts=opts)
+        loss[start:stop] = loss_c
+        lse[start:stop] = lse_c
+    return loss, lse
+
+
+@linear_ce_forward.register_fake
+def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+
+
+def _add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor) -> None:
+    """``acc [V, H] fp32 += grad_logits.T @ hidden_c``; low-precision partials sliced over V."""
+    if grad_logits.dtype == torch.float32:
+        acc.addmm_(grad_logits.t(), hidden_c)
+        return
+    v, h = acc.shape
+    step = max(1, _PARTIAL_BYTES // max(1, h * grad_logits.element_size()))
+    for v0 in range(0, v, step):
+        v1 = min(v0 + step, v)
+        acc[v0:v1] += (grad_logits[:, v0:v1].t() @ hidden_c).float()
+
+
+@torch.library.custom_op(f"{_LIB}::linear_ce_backward", mutates_args=())
+def linear_ce_backward(
+    grad_rows: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk_size: int,
+    compile_chunks: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum(grad_rows * loss_rows)`` w.r.t. hidden, weight and bias.
+
+    Returns ``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])`` in the input dtypes; a
+    gradient that was not asked for comes back as an empty ``[0]`` tensor.
+    """
+    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    flag = _flag(compile_chunks)
+    n = hidden.shape[0]
+    dev = hidden.device
+    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
+    acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+    acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+    for start in range(0, n, chunk_size):
+        stop = min(start + chunk_size, n)
+        h_c = hidden[start:stop]
+        gh_c, g_logits = _run(
+            "backward", flag, h_c, weight, bias, labels[start:stop], lse[start:stop], grad_rows[start:stop],
+            opts=opts,
+        )
+        if need_hidden:
+            grad_h[start:stop] = gh_c
+        del gh_c
+        if acc_w is not None:
+            _add_weight_grad(acc_w, g_logits, h_c)
+        if acc_b is not None:
+            acc_b += g_logits.sum(dim=0, dtype=torch.float32)
+        del g_logits
+    grad_w = acc_w.to(weight.dtype) if acc_w is not None else weight.new_empty(0)
+    del acc_w
+    grad_b = acc_b.to(bias.dtype) if (acc_b is not None and bias is not None) else weight.new_empty(0)
+    return grad_h, grad_w, grad_b
+
+
+@linear_ce_backward.register_fake
+def _(grad_rows, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+      compile_chunks, need_hidden, need_weight, need_bias):
+    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
+    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0)
+    grad_b = bias.new_empty(bias.shape) if (need_bias and bias is not None) else weight.new_empty(0)
+    return grad_h, grad_w, grad_b
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, labels, *scalars = inputs
+    ctx.scalars = scalars  # ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, bias, labels, output[1])
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, bias, labels, lse = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    nones = (None,) * 7
+    if grad_loss is None or not (need_h or need_w or need_b):
+        return (None, None, None) + nones
+    need_b = bool(need_b and ctx.has_bias)
+    gh, gw, gb = linear_ce_backward(
+        grad_loss.float(), hidden, weight, bias, labels, lse, *ctx.scalars, need_h, need_w, need_b
+    )
+    return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + nones
+
+
+linear_ce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "functional_ce linear_cross_entropy does not support double backward (create_graph=True followed "
+        "by another backward through its gradients); use F.linear + torch.nn.functional.cross_entropy for that"
+    )
+
+
+def _save_nothing(ctx, inputs, output) -> None:
+    pass
+
+
+linear_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)
