@@ -1,5 +1,9 @@
 """Compiled versions of the per-chunk functions, used by eager calls, with an eager fallback.
 
+The backward graph writes its result straight into the caller's buffer (the gradient, or the
+logits themselves for ``inplace_grad``): inductor turns the final ``copy_`` into the kernel's
+own store, so no chunk-sized temporary is allocated and copied.
+
 Set ``FUNCTIONAL_CE_COMPILE=0`` (or pass ``compile_chunks=False``) to run the chunk maths
 eagerly. If torch.compile is unavailable or fails, the eager functions are used and a warning
 is logged once.
@@ -15,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from .chunk import chunk_backward, chunk_forward
+from .options import ChunkOptions
 
 logger = logging.getLogger(__name__)
 
@@ -26,34 +31,50 @@ def compile_by_default() -> bool:
     return os.environ.get("FUNCTIONAL_CE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _forward_into(
+    loss_out: torch.Tensor, lse_out: torch.Tensor, logits_chunk: torch.Tensor, labels_chunk: torch.Tensor,
+    *, opts: ChunkOptions,
+) -> None:
+    loss, lse = chunk_forward(logits_chunk, labels_chunk, opts=opts)
+    loss_out.copy_(loss)
+    lse_out.copy_(lse)
+
+
+def _backward_into(
+    out: torch.Tensor, logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, lse: torch.Tensor,
+    grad_rows: torch.Tensor, *, opts: ChunkOptions,
+) -> None:
+    out.copy_(chunk_backward(logits_chunk, labels_chunk, lse, grad_rows, opts=opts))
+
+
+_EAGER: dict[str, Callable[..., None]] = {"forward": _forward_into, "backward": _backward_into}
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str) -> Callable:
-    fn = {"forward": chunk_forward, "backward": chunk_backward}[name]
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+def _compiled(name: str) -> Callable[..., None]:
+    return torch.compile(_EAGER[name], dynamic=False, fullgraph=True)
 
 
-def _mark_rows_dynamic(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+def run_chunk(name: str, compile_chunks: Optional[bool], *args: torch.Tensor, opts: ChunkOptions) -> None:
+    """Run the ``"forward"`` or ``"backward"`` chunk graph, compiled when asked and possible.
 
-
-def run_chunk(name: str, compile_chunks: Optional[bool], *args, **kwargs):
-    """Run ``chunk_forward`` or ``chunk_backward`` (``name``), compiled when asked and possible."""
-    fn = chunk_forward if name == "forward" else chunk_backward
+    ``forward``: ``(loss_out [c], lse_out [c], logits_chunk [c, V], labels_chunk [c])``.
+    ``backward``: ``(out [c, V], logits_chunk [c, V], labels_chunk [c], lse [c], grad_rows [c])``;
+    ``out`` may be ``logits_chunk`` itself (in-place gradient).
+    """
     use_compiled = compile_by_default() if compile_chunks is None else compile_chunks
     if not use_compiled or name in _broken or torch.compiler.is_compiling():
-        return fn(*args, **kwargs)
+        return _EAGER[name](*args, opts=opts)
     # Row count varies between chunks (the tail) and steps: one graph serves all of them.
-    _mark_rows_dynamic(*(a for a in args if isinstance(a, torch.Tensor)))
+    for t in args:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
     try:
-        return _compiled(name)(*args, **kwargs)
+        return _compiled(name)(*args, opts=opts)
     except Exception as exc:  # a missing compiler, an unsupported platform, ...
         _broken.add(name)
         logger.warning(
-            "functional_ce: compiling chunk_%s failed (%s: %s); using the eager chunk function. "
-            "Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
-            name,
-            type(exc).__name__,
-            str(exc).splitlines()[0] if str(exc) else "",
+            "functional_ce: compiling the %s chunk graph failed (%s: %s); using the eager chunk "
+            "function. Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
+            name, type(exc).__name__, (str(exc).splitlines() or [""])[0],
         )
-        return fn(*args, **kwargs)
+        return _EAGER[name](*args, opts=opts)

@@ -64,7 +64,9 @@ def cross_entropy(
         inplace_grad: keyword-only. Backward writes the logits' gradient into the logits'
             own storage and returns it, so no new ``[N, V]`` buffer is allocated. **The logits
             are destroyed in backward**: do not read them afterwards, and do not use this when
-            another autograd node saved them (autograd then raises a version error).
+            another autograd node saved them (autograd then raises a version error). Inside
+            ``torch.compile`` it is ignored: the compiled backward allocates the
+            gradient either way, so the logits are left intact.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
             environment sets ``FUNCTIONAL_CE_COMPILE=0``); falls back to eager if compiling fails.
 
@@ -97,6 +99,10 @@ def cross_entropy(
     if mask is not None:
         labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
     rows = resolve_chunk_size(chunk_size, labels1d.shape[0], n_classes * 4)
+    if inplace_grad and torch.compiler.is_compiling():
+        # Functionalization would clone the logits and still destroy them: keep them instead
+        # (documented; dynamo cannot trace a logging call here without a graph break).
+        inplace_grad = False
     loss_rows, _ = ops.chunked_ce_forward(
         logits2d,
         labels1d,

@@ -26,8 +26,7 @@ def _compile_flag(compile_chunks: int):
     return None if compile_chunks < 0 else bool(compile_chunks)
 
 
-@torch.library.custom_op(f"{_LIB}::chunked_ce_forward", mutates_args=())
-def chunked_ce_forward(
+def _chunked_ce_forward_impl(
     logits: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int,
@@ -45,11 +44,12 @@ def chunked_ce_forward(
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
     flag = _compile_flag(compile_chunks)
     for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        loss_c, lse_c = run_chunk("forward", flag, logits[start:stop], labels[start:stop], opts=opts)
-        loss[start:stop] = loss_c
-        lse[start:stop] = lse_c
+        rows = slice(start, min(start + chunk_size, n))
+        run_chunk("forward", flag, loss[rows], lse[rows], logits[rows], labels[rows], opts=opts)
     return loss, lse
+
+
+chunked_ce_forward = torch.library.custom_op(f"{_LIB}::chunked_ce_forward", _chunked_ce_forward_impl, mutates_args=())
 
 
 @chunked_ce_forward.register_fake
@@ -64,15 +64,13 @@ def _(logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size
 def _backward_loop(out, grad_rows, logits, labels, lse, opts, chunk_size, flag) -> None:
     n = logits.shape[0]
     for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        out[start:stop] = run_chunk(
-            "backward", flag, logits[start:stop], labels[start:stop], lse[start:stop],
-            grad_rows[start:stop], opts=opts,
-        )
+        rows = slice(start, min(start + chunk_size, n))
+        chunk = logits[rows]
+        target = chunk if out is logits else out[rows]  # one view when writing in place
+        run_chunk("backward", flag, target, chunk, labels[rows], lse[rows], grad_rows[rows], opts=opts)
 
 
-@torch.library.custom_op(f"{_LIB}::chunked_ce_backward", mutates_args=())
-def chunked_ce_backward(
+def _chunked_ce_backward_impl(
     grad_rows: torch.Tensor,
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -91,13 +89,15 @@ def chunked_ce_backward(
     return grad
 
 
+chunked_ce_backward = torch.library.custom_op(f"{_LIB}::chunked_ce_backward", _chunked_ce_backward_impl, mutates_args=())
+
+
 @chunked_ce_backward.register_fake
 def _(grad_rows, logits, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op(f"{_LIB}::chunked_ce_backward_", mutates_args=("logits",))
-def chunked_ce_backward_(
+def _chunked_ce_backward_inplace_impl(
     grad_rows: torch.Tensor,
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -112,6 +112,11 @@ def chunked_ce_backward_(
     """As :func:`chunked_ce_backward`, but overwrites ``logits`` with the gradient, chunk by chunk."""
     opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
     _backward_loop(logits, grad_rows, logits, labels, lse, opts, chunk_size, _compile_flag(compile_chunks))
+
+
+chunked_ce_backward_ = torch.library.custom_op(
+    f"{_LIB}::chunked_ce_backward_", _chunked_ce_backward_inplace_impl, mutates_args=("logits",)
+)
 
 
 @chunked_ce_backward_.register_fake
@@ -154,3 +159,10 @@ def _save_nothing(ctx, inputs, output) -> None:
 
 
 chunked_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)
+
+#: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
+IMPLEMENTATIONS = {
+    f"{_LIB}::chunked_ce_forward": _chunked_ce_forward_impl,
+    f"{_LIB}::chunked_ce_backward": _chunked_ce_backward_impl,
+    f"{_LIB}::chunked_ce_backward_": _chunked_ce_backward_inplace_impl,
+}

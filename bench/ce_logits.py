@@ -1,0 +1,171 @@
+"""``ce`` section: cross-entropy from logits, forward + backward, against torch and peers.
+
+Variants (each measured in its own process, side by side in one run):
+  - ``torch eager``: ``F.cross_entropy(logits.float(), labels)``, the baseline;
+  - ``torch compiled``: the same under ``torch.compile``;
+  - ``functional_ce``: :func:`functional_ce.cross_entropy`;
+  - ``functional_ce inplace``: the same with ``inplace_grad=True``;
+  - ``liger``: Liger-Kernel's cross-entropy (CUDA only, where installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shlex
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from .measure import Measurement, measure
+from .report import Section, Table, ratio
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINE = "torch eager"
+
+
+def _inputs(n: int, v: int, dtype: str, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * 2).to(device=device, dtype=DTYPES[dtype])
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    return logits.requires_grad_(), labels
+
+
+def _step(logits: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        loss_fn(logits).backward()
+        logits.grad = None
+
+    return step
+
+
+def setup_torch(*, n: int, v: int, dtype: str, device: str, compiled: bool = False, **_: Any) -> Callable[[], None]:
+    logits, labels = _inputs(n, v, dtype, device)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(x.float(), labels, reduction="sum")
+
+    return _step(logits, torch.compile(loss) if compiled else loss)
+
+
+def setup_ours(*, n: int, v: int, dtype: str, device: str, inplace: bool = False, chunk_size: Any = "auto",
+               **_: Any) -> Callable[[], None]:
+    import functional_ce
+
+    logits, labels = _inputs(n, v, dtype, device)
+    if inplace:
+        # The gradient overwrites the logits: each step works on a leaf that is refilled in place,
+        # as a training step gets fresh logits from the model.
+        source = logits.detach().clone()
+
+        def step() -> None:
+            with torch.no_grad():
+                logits.copy_(source)
+            functional_ce.cross_entropy(logits, labels, chunk_size=chunk_size, inplace_grad=True).backward()
+            logits.grad = None
+
+        return step
+    return _step(logits, lambda x: functional_ce.cross_entropy(x, labels, chunk_size=chunk_size))
+
+
+def setup_liger(*, n: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    logits, labels = _inputs(n, v, dtype, device)
+    fn = LigerCrossEntropyLoss(reduction="sum")
+    return _step(logits, lambda x: fn(x, labels))
+
+
+# name -> (setup, extra kwargs, availability check returning a reason or None)
+def _needs_cuda_and(pkg: str) -> Callable[[str], Optional[str]]:
+    def check(device: str) -> Optional[str]:
+        if importlib.util.find_spec(pkg) is None:
+            return "not installed"
+        return None if device.startswith("cuda") else "CUDA only"
+
+    return check
+
+
+VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] = {
+    "torch eager": ("bench.ce_logits:setup_torch", {}, lambda d: None),
+    "torch compiled": ("bench.ce_logits:setup_torch", {"compiled": True}, lambda d: None),
+    "functional_ce": ("bench.ce_logits:setup_ours", {}, lambda d: None),
+    "functional_ce inplace": ("bench.ce_logits:setup_ours", {"inplace": True}, lambda d: None),
+    "liger (CUDA)": ("bench.ce_logits:setup_liger", {}, _needs_cuda_and("liger_kernel")),
+}
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ce-shape", default="2048,128256", help="N,V of the logits (default 2048,128256)")
+    group.add_argument("--ce-dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--ce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
+    group.add_argument("--ce-repeats", type=int, default=2, help="timed steps per variant (median)")
+    group.add_argument("--ce-sweep", default="256,512,1024,2048",
+                       help="token counts N for the --plot sweep (V from --ce-shape)")
+
+
+def _chunk(arg: str) -> Any:
+    return None if arg.lower() == "none" else (arg if arg == "auto" else int(arg))
+
+
+def measure_variants(n: int, v: int, args: argparse.Namespace, tick: Callable[[str], None]) -> dict[str, Measurement]:
+    out = {}
+    for name, (setup, extra, available) in VARIANTS.items():
+        reason = available(args.device)
+        tick(f"ce {name} N={n}")
+        if reason:
+            out[name] = Measurement(error=reason)
+            continue
+        kwargs = {"n": n, "v": v, "dtype": args.ce_dtype, "chunk_size": _chunk(args.ce_chunk_size), **extra}
+        out[name] = measure(setup, kwargs, device=args.device, repeats=args.ce_repeats)
+    return out
+
+
+def _command(args: argparse.Namespace, shape: str) -> str:
+    return "python -m bench --only ce " + " ".join(
+        shlex.quote(a) for a in ["--ce-shape", shape, "--ce-dtype", args.ce_dtype,
+                                 "--ce-chunk-size", args.ce_chunk_size, "--device", args.device]
+    )
+
+
+def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    n, v = (int(x) for x in args.ce_shape.split(","))
+    results = measure_variants(n, v, args, tick)
+    base = results[BASELINE]
+    rows = []
+    for name, m in results.items():
+        rows.append([
+            name,
+            m.ms, ratio(m.seconds, base.seconds),
+            m.peak_mib, ratio(m.peak_extra_bytes, base.peak_extra_bytes),
+            m.error or "ok",
+        ])
+    mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of a child process"
+    table = Table(
+        title=f"cross-entropy from logits, forward+backward, [{n}, {v}] {args.ce_dtype} on {args.device}",
+        columns=["variant", "time (ms)", "x baseline", "peak extra (MiB)", "x baseline", "status"],
+        rows=rows,
+        baseline=f"{BASELINE}: F.cross_entropy(logits.float(), labels)",
+        notes=[f"peak extra memory = {mem_how} above the inputs during the step; the logits' gradient counts"],
+        command=_command(args, args.ce_shape),
+    )
+    data: dict[str, Any] = {"shape": [n, v], "dtype": args.ce_dtype, "device": args.device,
+                            "results": {k: vars(m) for k, m in results.items()}}
+    if args.plot:
+        sweep = {}
+        for sn in (int(x) for x in args.ce_sweep.split(",")):
+            sweep[sn] = {k: vars(m) for k, m in measure_variants(sn, v, args, tick).items()}
+        data["sweep"] = {"v": v, "by_n": sweep}
+    return Section(name="functional_ce: cross-entropy from logits", tables=[table], data=data)
+
+
+def plot(section: Section, out_dir: Path) -> list[Path]:
+    """Peak memory and time against N, one line per variant, log axes."""
+    sweep = section.data.get("sweep")
+    if not sweep:
+        return []
+    from .plots import lines_vs_n
+
+    return lines_vs_n(sweep["by_n"], out_dir, stem="ce_logits",
+                      title=f"cross-entropy from logits, V={sweep['v']}, {section.data['dtype']}")
