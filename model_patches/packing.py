@@ -1,0 +1,179 @@
+"""Sequence packing that keeps documents apart: the patch records, ``enable_packing`` and ``packing_status``.
+
+Records are grouped by Transformers epoch; each group is the complete set for its releases:
+
+======================  =====================================================================
+epoch                   what differs (and why a patch written for one breaks on the next)
+======================  =====================================================================
+``<4.53``               no ``masking_utils``: masks are built inside each model file. Refused.
+``4.53-5.3``            mask builders take ``cache_position`` and ``past_key_values``;
+                        ``_preprocess_mask_arguments`` returns 5 values (5.0-5.3: the same
+                        builder signature).
+``5.4-5.23``            ``cache_position`` gone, still ``past_key_values``; the preprocessor
+                        returns 7 values.
+``>=5.24``              ``past_key_values`` renamed ``cache``.
+======================  =====================================================================
+
+The patches never touch the preprocessor's return tuple (which is what drifts); they replace
+the mask builders in ``masking_utils`` and in every model module that imported them, and
+install a guard in the preprocessor that raises when an indexed mask arrives from a module
+they do not cover. The probes check each target's real signature, and that a model module's
+builder *is* ``masking_utils``'s (a module with its own mask code is refused, not left leaking).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Optional, Sequence
+
+from .packing_patches import (
+    build_guard,
+    build_mask_builder,
+    build_unpad,
+    guard_probe,
+    mask_builder_probe,
+    same_function_probe,
+    unpad_probe,
+)
+from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, record_status
+
+__all__ = ["enable_packing", "packing_status", "packing_records", "FAMILIES", "EPOCHS"]
+
+logger = logging.getLogger(__name__)
+
+#: Model modules covered by name (tested: llama, qwen3, mistral, gemma3, qwen3_moe). Any other
+#: ``transformers.models.*.modeling_*`` module already imported when ``enable_packing()`` runs
+#: and using the same builders is covered too.
+FAMILIES: tuple[str, ...] = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3",
+    "phi3", "olmo2", "granite", "starcoder2", "cohere",
+)
+_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+#: epoch label -> (version specifier, cache argument name, builders take cache_position)
+EPOCHS: dict[str, tuple[str, str, bool]] = {
+    "4.53-5.3": (">=4.53,<5.4", "past_key_values", True),
+    "5.4-5.23": (">=5.4,<5.24", "past_key_values", False),
+    "5.24+": (">=5.24", "cache", False),
+}
+
+_MU = "transformers.masking_utils"
+_FU = "transformers.modeling_flash_attention_utils"
+
+
+def _refuse_old(_: object) -> Optional[str]:
+    return (
+        "packing needs transformers.masking_utils (Transformers 4.53 or newer); older releases "
+        "build masks inside each model file, which these patches do not cover"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _builder_record(module: str, name: str, epoch: str) -> PatchRecord:
+    versions, cache_arg, has_cp = EPOCHS[epoch]
+    target = f"{module}:{name}"
+    is_source = module == _MU
+    probe = mask_builder_probe(cache_arg, has_cp) if is_source else same_function_probe(name, cache_arg, has_cp)
+    short = module.rsplit(".", 1)[-1]
+    return PatchRecord(
+        name=f"{short}.{name} (indexed 2D mask -> same-document mask)",
+        target=target,
+        versions=versions,
+        probe=probe,
+        build=build_mask_builder(target, cache_arg),
+        epoch=epoch,
+        doc="eager/sdpa/flex: and_mask_function over document ids; flash: document-id mask",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _common_records() -> tuple[PatchRecord, ...]:
+    return (
+        PatchRecord(
+            name="Transformers before masking_utils (refused)",
+            target="transformers:PreTrainedModel",
+            versions="<4.53",
+            probe=_refuse_old,
+            build=lambda original: original,
+            epoch="<4.53",
+        ),
+        PatchRecord(
+            name="masking_utils._preprocess_mask_arguments (guard: refuse uncovered modules)",
+            target=f"{_MU}:_preprocess_mask_arguments",
+            versions=">=4.53",
+            probe=guard_probe,
+            build=build_guard,
+            epoch="4.53+",
+        ),
+        PatchRecord(
+            name="modeling_flash_attention_utils._get_unpad_data (per-document cu_seqlens)",
+            target=f"{_FU}:_get_unpad_data",
+            versions=">=4.53",
+            probe=unpad_probe,
+            build=build_unpad,
+            epoch="4.53+",
+        ),
+    )
+
+
+def _discovered_modules() -> list[str]:
+    """Already-imported model modules that use masking_utils' builders, beyond :data:`FAMILIES`."""
+    mu = sys.modules.get(_MU)
+    if mu is None:
+        return []
+    refs = {getattr(getattr(mu, n, None), "_packing_original", getattr(mu, n, None)) for n in _BUILDERS}
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or ".modeling_" not in name or mod is None:
+            continue
+        namespace = getattr(mod, "__dict__", {})
+        if any(n in namespace and namespace[n] in refs for n in _BUILDERS):
+            found.append(name)
+    return sorted(found)
+
+
+def packing_records(extra_modules: Sequence[str] = ()) -> list[PatchRecord]:
+    """Every packing record, grouped by epoch (all epochs; gates pick the installed one).
+
+    Covers ``masking_utils``, each family of :data:`FAMILIES`, each already-imported model module
+    that uses the same builders, and ``extra_modules`` (full module names).
+    """
+    records = list(_common_records())
+    modules = [f"transformers.models.{f}.modeling_{f}" for f in FAMILIES]
+    modules += [m for m in [*_discovered_modules(), *extra_modules] if m not in modules]
+    for epoch in EPOCHS:
+        records.append(_builder_record(_MU, _BUILDERS[0], epoch))
+        records.append(_builder_record(_MU, _BUILDERS[1], epoch))
+        for module in modules:
+            fam = module.rsplit(".modeling_", 1)[-1]
+            names = _BUILDERS if _has_sliding(fam, module) else _BUILDERS[:1]
+            records.extend(_builder_record(module, n, epoch) for n in names)
+    return records
+
+
+def _has_sliding(family: str, module: str) -> bool:
+    if family in ("llama", "olmo2", "granite", "cohere"):
+        return False
+    mod = sys.modules.get(module)
+    return mod is None or family in FAMILIES or hasattr(mod, _BUILDERS[1])
+
+
+def enable_packing(*, strict: bool = True, extra_modules: Sequence[str] = ()) -> PatchHandle:
+    """Make an indexed 2D attention mask mean "same document, causal, not padding".
+
+    Applies every record whose version gate and probe pass; returns a handle (``handle.remove()``
+    or ``with enable_packing(): ...``). Enabling twice is a no-op; patches stay until the last
+    handle is removed. Raises ``PatchError`` when an admitted record does not fit the installed
+    Transformers (``strict=False``: log it and go on without that record).
+    """
+    handle = apply_records(packing_records(extra_modules), strict=strict)
+    applied = sum(r.state == "applied" for r in handle.rows)
+    logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
+    return handle
+
+
+def packing_status(extra_modules: Sequence[str] = ()) -> list[StatusRow]:
+    """One row per record: name, target, versions, state (applied/available/skipped/failed), reason."""
+    return record_status(packing_records(extra_modules))

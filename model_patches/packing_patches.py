@@ -1,0 +1,226 @@
+"""Probes and replacement builders for the packing records (see :mod:`model_patches.packing`).
+
+Three replacements, all pass-through unless an *indexed* 2D mask (a value above 1) arrives:
+
+- ``create_causal_mask`` / ``create_sliding_window_causal_mask`` (in ``masking_utils`` and in
+  every covered model module, which import them by name): for eager, sdpa and flex_attention
+  the indexed mask is turned into document ids and handed to Transformers as an
+  ``and_mask_function`` (same document, pad queries see only themselves), with the 2D mask set
+  to ``None``, so Transformers builds its own causal / sliding-window mask in the backend's
+  format: a float additive mask for eager, a bool mask for sdpa, a ``BlockMask`` for flex
+  (flex never gets a 4D tensor). For flash_attention_* the document-id tensor itself is
+  returned as the layer mask.
+- ``modeling_flash_attention_utils._get_unpad_data``: a document-id mask yields one varlen
+  sequence per document (per-document ``cu_seqlens``); a 0/1 mask keeps the original.
+- ``masking_utils._preprocess_mask_arguments`` (guard): an indexed mask that still reaches it
+  came from a model module these patches do not cover, which would silently cast it to bool;
+  it raises instead.
+
+Each wrapper stays live only while its target still points at it, so a module that imported
+a wrapper while packing was on falls back to the original after the handle is removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from .masks import document_ids, is_indexed_mask, same_document_mask_function, unpad_documents
+
+__all__ = [
+    "mask_builder_probe",
+    "build_mask_builder",
+    "same_function_probe",
+    "unpad_probe",
+    "build_unpad",
+    "guard_probe",
+    "build_guard",
+]
+
+logger = logging.getLogger(__name__)
+
+_MASKING = "transformers.masking_utils"
+_FLEX_OR_DENSE = ("eager", "sdpa", "flex_attention")
+
+
+def _params(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _arg(args: tuple, kwargs: dict, names: tuple[str, ...], index: int) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return args[index] if index < len(args) else None
+
+
+def _is_live(target: str, wrapper: Callable) -> bool:
+    module_name, _, attr = target.partition(":")
+    module = sys.modules.get(module_name)
+    return module is not None and getattr(module, attr, None) is wrapper
+
+
+def mask_builder_probe(cache_arg: str, needs_cache_position: bool) -> Callable[[Any], Optional[str]]:
+    """Probe: the mask builder takes (config, inputs_embeds, attention_mask, ...) with ``cache_arg``
+    and ``and_mask_function``, and ``cache_position`` exactly when this epoch had it."""
+
+    def probe(fn: Any) -> Optional[str]:
+        params = _params(fn)
+        if params[:3] not in (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"]):
+            return f"expected parameters (config, inputs_embeds, attention_mask, ...), found {params[:3]}"
+        for name in (cache_arg, "and_mask_function"):
+            if name not in params:
+                return f"no {name!r} parameter (found {params})"
+        if ("cache_position" in params) != needs_cache_position:
+            return f"'cache_position' {'missing' if needs_cache_position else 'present'} (found {params})"
+        return None
+
+    probe.__name__ = f"mask_builder_probe[{cache_arg}]"
+    return probe
+
+
+def same_function_probe(name: str, cache_arg: str, needs_cache_position: bool) -> Callable[[Any], Optional[str]]:
+    """Probe for a model module's imported ``name``: it must be ``masking_utils.<name>`` itself."""
+    base = mask_builder_probe(cache_arg, needs_cache_position)
+
+    def probe(fn: Any) -> Optional[str]:
+        reference = getattr(importlib.import_module(_MASKING), name)
+        reference = getattr(reference, "_packing_original", reference)
+        if fn is not reference:
+            return f"{name} is not masking_utils.{name}: this model module builds its masks another way"
+        return base(fn)
+
+    probe.__name__ = f"same_function_probe[{name}]"
+    return probe
+
+
+def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
+    """Builder of the ``create_*causal_mask`` replacement for ``target`` (see module docstring)."""
+
+    def build(original: Callable) -> Callable:
+        params = _params(original)
+        i_mask, i_embeds = params.index("attention_mask"), 1
+        i_cache = params.index(cache_arg)
+        i_and = params.index("and_mask_function")
+
+        @functools.wraps(original)
+        def packed_mask(*args: Any, **kwargs: Any) -> Any:
+            mask = _arg(args, kwargs, ("attention_mask",), i_mask)
+            if not is_indexed_mask(mask) or not _is_live(target, packed_mask):
+                return original(*args, **kwargs)
+            config = _arg(args, kwargs, ("config",), 0)
+            impl = getattr(config, "_attn_implementation", None) or "eager"
+            ids = document_ids(mask)
+            if "flash" in impl:
+                embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), i_embeds)
+                cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
+                past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+                if past or ids.shape[1] != embeds.shape[1]:
+                    raise ValueError(
+                        f"packed (indexed) attention masks under {impl} are supported for full "
+                        f"sequences only, got {embeds.shape[1]} new tokens after {past} cached ones "
+                        f"and a mask of length {ids.shape[1]}; decode with a 0/1 mask or use sdpa"
+                    )
+                return ids.to(embeds.device)
+            if impl not in _FLEX_OR_DENSE:
+                raise ValueError(
+                    f"packed (indexed) attention masks are supported on eager, sdpa, flex_attention "
+                    f"and flash_attention_*, got attn_implementation={impl!r}; switch the model to "
+                    "one of those"
+                )
+            cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
+            same_doc = same_document_mask_function(ids.to(mask.device), _max_cache_length(cache))
+            extra = _arg(args, kwargs, ("and_mask_function",), i_and)
+            if extra is not None:
+                inner = same_doc
+
+                def same_doc(b, h, q, kv):  # noqa: F811 - the caller's function AND ours
+                    return inner(b, h, q, kv) & extra(b, h, q, kv)
+
+            args, kwargs = list(args), dict(kwargs)
+            for name, index, value in (("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)):
+                if index < len(args):
+                    args[index] = value
+                else:
+                    kwargs[name] = value
+            return original(*args, **kwargs)
+
+        packed_mask._packing_original = original  # type: ignore[attr-defined]
+        return packed_mask
+
+    return build
+
+
+def _max_cache_length(cache: Any) -> Optional[int]:
+    """A static cache's capacity (its masks may be longer than the 2D mask), else None."""
+    get = getattr(cache, "get_max_cache_shape", None)
+    try:
+        value = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - dynamic caches may not define a capacity
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def unpad_probe(fn: Any) -> Optional[str]:
+    """``_get_unpad_data(mask)`` must return (indices, cu_seqlens [B+1], max_seqlen) for a 0/1 mask."""
+    if _params(fn)[:1] != ["attention_mask"]:
+        return f"expected a single 'attention_mask' parameter, found {_params(fn)}"
+    try:
+        out = fn(torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.int32))
+    except Exception as exc:  # noqa: BLE001 - report any failure as a probe failure
+        return f"calling it on a 0/1 mask raised {type(exc).__name__}: {exc}"
+    if not (isinstance(out, tuple) and len(out) == 3):
+        return f"expected a 3-tuple (indices, cu_seqlens, max_seqlen), got {type(out).__name__}"
+    indices, cu, max_len = out
+    if cu.tolist() != [0, 2, 5] or indices.tolist() != [0, 1, 3, 4, 5] or int(max_len) != 3:
+        return f"unexpected result on [[1,1,0],[1,1,1]]: cu_seqlens={cu.tolist()}, indices={indices.tolist()}"
+    return None
+
+
+def build_unpad(original: Callable) -> Callable:
+    """``_get_unpad_data`` that gives every document of an indexed mask its own sequence."""
+
+    @functools.wraps(original)
+    def get_unpad_data(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if is_indexed_mask(attention_mask):
+            return unpad_documents(attention_mask)
+        return original(attention_mask)
+
+    get_unpad_data._packing_original = original  # type: ignore[attr-defined]
+    return get_unpad_data
+
+
+def guard_probe(fn: Any) -> Optional[str]:
+    """The mask preprocessor must take (config, inputs_embeds, attention_mask, ...)."""
+    params = _params(fn)
+    if len(params) < 3 or params[2] != "attention_mask":
+        return f"expected 'attention_mask' as third parameter, found {params[:4]}"
+    return None
+
+
+def build_guard(original: Callable) -> Callable:
+    """``_preprocess_mask_arguments`` that refuses an indexed mask instead of casting it to bool."""
+
+    @functools.wraps(original)
+    def preprocess(*args: Any, **kwargs: Any) -> Any:
+        mask = _arg(args, kwargs, ("attention_mask",), 2)
+        if is_indexed_mask(mask):
+            caller = sys._getframe(1)
+            origin = sys._getframe(2).f_globals.get("__name__", "?") if caller.f_back else "?"
+            raise ValueError(
+                f"an indexed (packed) attention mask reached masking_utils.{caller.f_code.co_name} "
+                f"from {origin}, which the packing patches do not cover; Transformers would cast it "
+                "to bool and let packed documents attend to each other. Fix: use a covered model "
+                "family (see model_patches.packing_status()), call enable_packing() again after "
+                "importing this model's module, or pass a 0/1 mask without packing"
+            )
+        return original(*args, **kwargs)
+
+    preprocess._packing_original = original  # type: ignore[attr-defined]
+    return preprocess
