@@ -1,3 +1,27 @@
 """Version-gated registries of Hugging Face Transformers patches."""
 
-__all__: list[str] = []
+import importlib
+from typing import Any
+
+# public name -> submodule; imported on first use so that `import model_patches` stays light.
+_LAZY: dict[str, str] = {}
+
+# packing (sequence packing that keeps documents apart)
+_LAZY.update(
+    enable_packing="packing",
+    packing_status="packing",
+    PackingCollator="collator",
+    PatchRecord="registry",
+    PatchHandle="registry",
+    PatchError="registry",
+    apply_records="registry",
+    record_status="registry",
+)
+
+__all__: list[str] = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
