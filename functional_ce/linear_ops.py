@@ -67,8 +67,7 @@ def _flag(compile_chunks: int) -> Optional[bool]:
     return None if compile_chunks < 0 else bool(compile_chunks)
 
 
-@torch.library.custom_op(f"{_LIB}::linear_ce_forward", mutates_args=())
-def linear_ce_forward(
+def _linear_ce_forward_impl(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -94,6 +93,9 @@ def linear_ce_forward(
     return loss, lse
 
 
+linear_ce_forward = torch.library.custom_op(f"{_LIB}::linear_ce_forward", mutates_args=())(_linear_ce_forward_impl)
+
+
 @linear_ce_forward.register_fake
 def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
     n = hidden.shape[0]
@@ -112,8 +114,7 @@ def _add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: tor
         acc[v0:v1] += (grad_logits[:, v0:v1].t() @ hidden_c).float()
 
 
-@torch.library.custom_op(f"{_LIB}::linear_ce_backward", mutates_args=())
-def linear_ce_backward(
+def _linear_ce_backward_impl(
     grad_rows: torch.Tensor,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -163,6 +164,11 @@ def linear_ce_backward(
     return grad_h, grad_w, grad_b
 
 
+linear_ce_backward = torch.library.custom_op(f"{_LIB}::linear_ce_backward", mutates_args=())(
+    _linear_ce_backward_impl
+)
+
+
 @linear_ce_backward.register_fake
 def _(grad_rows, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
       compile_chunks, need_hidden, need_weight, need_bias):
@@ -207,3 +213,9 @@ def _save_nothing(ctx, inputs, output) -> None:
 
 
 linear_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)
+
+#: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
+IMPLEMENTATIONS = {
+    f"{_LIB}::linear_ce_forward": _linear_ce_forward_impl,
+    f"{_LIB}::linear_ce_backward": _linear_ce_backward_impl,
+}

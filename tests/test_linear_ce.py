@@ -1,0 +1,163 @@
+"""linear_cross_entropy against an fp64 reference of cross_entropy(hidden @ weight.T + bias)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import functional_ce
+from tests.ce_cases import DTYPES, ROUNDING
+from tests.linear_cases import LinearCase, linear_loss_and_grads, make_linear_case, reference_linear
+
+
+def _absmax(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def _worst(excess: torch.Tensor) -> float:
+    if excess.numel() == 0:
+        return float("-inf")
+    return float("inf") if bool(excess.isnan().any()) else excess.max().item()
+
+
+def _check_against_truth(case: LinearCase, chunk_size) -> None:
+    """|ours - truth| <= |naive low-precision - truth| + tol for the loss and all three gradients."""
+    ours, g_ours = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunk_size)
+    truth, g_truth = linear_loss_and_grads(reference_linear, case)
+    # What a user gets without this library: F.linear in the input dtype, the loss in fp32.
+    naive, g_naive = linear_loss_and_grads(reference_linear, case, dtype=None)
+    dtype = case.hidden.dtype
+    assert ours.dtype == torch.float32
+    tol = 1e-5 * (1 + _absmax(truth))
+    excess = _worst((ours.double() - truth).abs() - (naive.double() - truth).abs() - tol)
+    assert excess <= 0, f"loss exceeds the naive path's error by {excess:.3g}"
+    for name, g, gt, gn, leaf in zip(("hidden", "weight", "bias"), g_ours, g_truth, g_naive,
+                                     (case.hidden, case.weight, case.bias)):
+        if leaf is None:
+            continue
+        assert g.dtype == dtype and g.shape == leaf.shape, f"grad {name}: {g.dtype} {tuple(g.shape)}"
+        gtol = ROUNDING[dtype] * (1 + _absmax(gt))
+        gexcess = _worst((g.double() - gt).abs() - (gn.double() - gt).abs() - gtol)
+        assert gexcess <= 0, f"grad {name} exceeds the naive path's error by {gexcess:.3g}"
+
+
+options = st.fixed_dictionaries(
+    {},
+    optional={
+        "reduction": st.sampled_from(["sum", "mean", "none"]),
+        "label_smoothing": st.sampled_from([0.0, 0.1, 1.0]),
+        "z_loss": st.sampled_from([0.0, 1e-3]),
+        "softcap": st.sampled_from([None, 4.0, 30.0]),
+        "mask": st.just(True),
+        "weights": st.just(True),
+        "ignore_index": st.sampled_from([-100, 2]),
+    },
+)
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch_shape=st.sampled_from([(1,), (13,), (40,), (3, 7), (2, 2, 5)]),
+    h=st.sampled_from([1, 8, 24]),
+    v=st.sampled_from([1, 7, 64, 130]),
+    dtype=st.sampled_from(DTYPES),
+    bias=st.booleans(),
+    chunk_size=st.sampled_from([None, 1, 5, 16, "auto"]),
+    opts=options,
+)
+def test_matches_fp64_reference(seed, batch_shape, h, v, dtype, bias, chunk_size, opts):
+    opts = dict(opts)
+    if opts.get("ignore_index", -100) >= v:
+        opts["ignore_index"] = -100
+    case = make_linear_case(seed, batch_shape, h, v, dtype, bias=bias, **opts)
+    _check_against_truth(case, chunk_size)
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(1, 50),
+    dtype=st.sampled_from(DTYPES),
+    chunks=st.lists(st.sampled_from([1, 3, 8, 17, 64]), min_size=2, max_size=2, unique=True),
+)
+def test_result_does_not_depend_on_chunk_size(seed, n, dtype, chunks):
+    case = make_linear_case(seed, (n,), 16, 50, dtype, bias=True, reduction="none", z_loss=1e-3, softcap=10.0)
+    a, ga = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[0])
+    b, gb = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[1])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for name, x, y in zip(("hidden", "weight", "bias"), ga, gb):
+        # Per-row gradients are chunk-local; weight/bias sums only regroup fp32 partials.
+        tol = 1e-5 if dtype == torch.float32 else ROUNDING[dtype] * (1 + _absmax(y.float()))
+        torch.testing.assert_close(x.float(), y.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=tol,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+def test_equals_cross_entropy_of_the_projected_logits_with_all_options():
+    case = make_linear_case(3, (4, 9), 16, 33, torch.float32, bias=True, mask=True, weights=True)
+    kw = dict(reduction="sum", num_label_tokens=11, label_smoothing=0.2, z_loss=1e-3, softcap=8.0, chunk_size=5)
+
+    def via_logits(hidden, weight, labels, *, bias, **kwargs):
+        return functional_ce.cross_entropy(F.linear(hidden, weight, bias), labels, **kwargs)
+
+    a, ga = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, **kw)
+    b, gb = linear_loss_and_grads(via_logits, case, **kw)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_matches_torch_linear_cross_entropy():
+    case = make_linear_case(5, (37,), 24, 101, torch.float32, bias=True)
+    for reduction in ("mean", "sum", "none"):
+        ours = functional_ce.linear_cross_entropy(
+            case.hidden, case.weight, case.labels, bias=case.bias, reduction=reduction, label_smoothing=0.1, chunk_size=8
+        )
+        theirs = F.linear_cross_entropy(
+            case.hidden, case.weight, case.labels, linear_bias=case.bias, reduction=reduction, label_smoothing=0.1
+        )
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_gradient_is_unchanged():
+    case = make_linear_case(7, (20,), 8, 40, torch.bfloat16)
+    _, (gh_all, _, _) = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=6)
+    hidden = case.hidden.clone().requires_grad_()
+    weight = case.weight.clone()  # frozen
+    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels, chunk_size=6)
+    up = torch.rand((), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (loss * up.float()).backward()
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, gh_all, rtol=0, atol=0)
+
+
+def test_tied_weight_receives_both_gradients():
+    """A weight used as embedding and as head gets the sum of both gradients (autograd's job)."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(30, 8, generator=g, requires_grad=True)
+    ids = torch.randint(0, 30, (12,), generator=g)
+    labels = torch.randint(0, 30, (12,), generator=g)
+    ours = functional_ce.linear_cross_entropy(torch.tanh(emb[ids]), emb, labels, chunk_size=5, reduction="mean")
+    (g_ours,) = torch.autograd.grad(ours, emb)
+    ref = F.cross_entropy(torch.tanh(emb[ids]) @ emb.T, labels)
+    (g_ref,) = torch.autograd.grad(ref, emb)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_no_valid_label_gives_zero_loss_and_zero_gradients():
+    case = make_linear_case(1, (6,), 8, 10, torch.float32, ignore_frac=1.0)
+    for reduction in ("sum", "mean"):
+        out, grads = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, reduction=reduction)
+        assert out.item() == 0.0
+        assert all(bool((g == 0).all()) for g in grads if g is not None)
+
+
+def test_double_backward_raises_a_clear_error():
+    case = make_linear_case(2, (5,), 4, 9, torch.float32)
+    hidden = case.hidden.requires_grad_()
+    weight = case.weight.requires_grad_()
+    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels)
+    (gh,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gh.sum().backward()

@@ -1,0 +1,79 @@
+"""The hidden-state loss never allocates or saves an [N, V] tensor, in forward or backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+import functional_ce
+from functional_ce import linear_ops
+from tests.alloc_trace import AllocationTrace
+
+# N * V is larger than every legitimate buffer (V * H weight gradient, chunk x V logits).
+N, H, V, CHUNK = 96, 8, 1000, 16
+
+
+class LinearAllocationTrace(AllocationTrace):
+    """AllocationTrace that also opens up the hidden-state operators."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        impl = linear_ops.IMPLEMENTATIONS.get(func._schema.name)
+        if impl is not None:
+            with self:
+                return impl(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _inputs(dtype=torch.bfloat16, bias=True):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, N // 4, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (4, N // 4), generator=g)
+    return hidden, weight, b, labels
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "mean", "z_loss": 1e-4, "softcap": 20.0, "label_smoothing": 0.1}])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_no_allocation_of_tokens_times_vocab(kwargs, dtype):
+    hidden, weight, bias, labels = _inputs(dtype)
+    with LinearAllocationTrace() as fwd:
+        loss = functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, **kwargs)
+    with LinearAllocationTrace() as bwd:
+        loss.backward()
+    for phase, trace in (("forward", fwd), ("backward", bwd)):
+        assert trace.records, f"the trace saw nothing in {phase}; it does not open the operators"
+        too_big = [r for r in trace.records if _numel(r[1]) > max(CHUNK * V, V * H)]
+        assert not too_big, f"{phase} allocated {too_big[:3]}"
+    # The chunk really is the largest vocabulary-wide buffer, and the weight gradient is
+    # accumulated in fp32 (one [V, H] fp32 buffer) before it is returned in the weight dtype.
+    assert (CHUNK, V) in {r[1] for r in bwd.records}
+    assert any(r[1] == (V, H) and r[2] == torch.float32 for r in bwd.records)
+    assert weight.grad.dtype == dtype and hidden.grad.dtype == dtype and bias.grad.dtype == dtype
+
+
+def test_autograd_saves_only_the_callers_tensors_and_row_statistics():
+    hidden, weight, bias, labels = _inputs()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, reduction="mean")
+    big = [t for t in saved if t.numel() > N]
+    ptrs = {t.data_ptr() for t in big}
+    assert ptrs == {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}, (
+        f"expected only hidden, weight and bias (no copies), got {[(tuple(t.shape), t.dtype) for t in big]}"
+    )
+    small = [t for t in saved if t.numel() <= N]
+    assert sum(t.numel() * t.element_size() for t in small) <= N * (8 + 4 + 4) + 64
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
