@@ -18,6 +18,13 @@ _LAZY.update(
     record_status="registry",
 )
 
+# loss path (causal-LM loss without the fp32 logits copy, or without logits at all)
+_LAZY.update(
+    enable_chunked_loss="loss_records",
+    chunked_loss_status="loss_records",
+    causal_lm_loss="hidden_state_loss",
+)
+
 __all__: list[str] = sorted(_LAZY)
 
 

@@ -1,0 +1,148 @@
+"""``causal_lm_loss(model, **batch)``: a stock ``*ForCausalLM``'s loss without building logits.
+
+Runs the model's decoder (``model.get_decoder()``, i.e. ``model.model``), then
+``functional_ce.linear_cross_entropy`` on the output embedding (``lm_head``) weight, with the
+same label shift, ``shift_labels``, ``ignore_index`` and ``num_items_in_batch`` handling as
+Transformers' ``ForCausalLMLoss`` and the model's ``final_logit_softcapping`` (Gemma 2/3).
+
+Fits models whose forward is ``logits = lm_head(decoder(...).last_hidden_state)`` optionally
+followed by soft-capping: Llama, Mistral, Qwen2/3, Qwen3-MoE, Gemma 1/2/3 and others of that
+shape. Tied input/output embeddings are handled: the loss uses the shared parameter, and
+autograd adds its gradient to the embedding's. A biased ``nn.Linear`` head is handled (the bias
+goes to the loss). Heads that transform logits in other ways (Cohere's ``logit_scale``,
+Granite's ``logits_scaling``), heads that are not an ``nn.Linear``, encoder-decoder models and
+MoE models asked to add a router auxiliary loss are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import functional_ce
+from functional_ce.options import ChunkSize
+
+__all__ = ["causal_lm_loss"]
+
+logger = logging.getLogger(__name__)
+
+#: Model types whose causal-LM forward was checked to be decoder -> lm_head [-> softcap].
+VERIFIED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text",
+     "mixtral", "phi3", "olmo2", "smollm3"}
+)
+#: Config attributes of logit transforms this function does not reproduce.
+_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+_LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
+_warned_types: set[str] = set()
+
+
+def _refuse(model: nn.Module, why: str, fix: str) -> None:
+    raise ValueError(f"causal_lm_loss cannot run {type(model).__name__}: {why}. {fix}")
+
+
+def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
+    config = getattr(model, "config", None)
+    if config is None:
+        _refuse(model, "it has no .config", "Pass a Hugging Face *ForCausalLM model")
+    if getattr(config, "is_encoder_decoder", False):
+        _refuse(model, "it is an encoder-decoder model", "Use model(**batch, labels=...) for it")
+    for attr in _LOGIT_TRANSFORMS:
+        value = getattr(config, attr, None)
+        if value is not None and value != 1.0:
+            _refuse(
+                model,
+                f"its forward scales the logits (config.{attr}={value!r}), which this loss does not reproduce",
+                "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
+            )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        _refuse(
+            model,
+            f"its output embedding is {type(head).__name__}, not a plain torch.nn.Linear "
+            "(wrapped, quantised or missing heads change the logits in ways this loss cannot see)",
+            "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
+        )
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        _refuse(model, "it exposes no decoder (get_decoder() / .model)", "Pass a *ForCausalLM model")
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type not in VERIFIED_MODEL_TYPES and model_type not in _warned_types:
+        _warned_types.add(model_type)
+        logger.warning(
+            "causal_lm_loss: model_type %r was not verified; assuming logits = lm_head(decoder(...)) "
+            "[then final_logit_softcapping]. Compare one step against model(**batch, labels=...) once.",
+            model_type,
+        )
+    return head, decoder
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    *,
+    chunk_size: ChunkSize = "auto",
+    compile_chunks: Optional[bool] = None,
+    **batch: Any,
+) -> torch.Tensor:
+    """The loss ``model(**batch).loss`` would give, computed from hidden states.
+
+    Args:
+        model: a Hugging Face ``*ForCausalLM`` (decoder + ``lm_head``).
+        chunk_size, compile_chunks: passed to :func:`functional_ce.linear_cross_entropy`.
+        **batch: what you would pass to ``model(...)``: ``input_ids`` or ``inputs_embeds``,
+            ``attention_mask``, ``position_ids``, ... and ``labels`` ``[B, T]`` (unshifted) or
+            ``shift_labels`` ``[B, T]`` (already aligned, e.g. packed rows), optionally
+            ``num_items_in_batch`` (sum / this count instead of the mean) and ``ignore_index``.
+            ``use_cache`` defaults to False here (``model(...)`` defaults to the config's value).
+
+    Returns:
+        fp32 scalar loss. The ``[B, T, V]`` logits are never built.
+
+    Raises:
+        ValueError: a model whose structure does not fit (see the module docstring), or a batch
+        without ``labels``/``shift_labels``.
+    """
+    head, decoder = _head_and_decoder(model)
+    labels = batch.get("labels")
+    shift_labels = batch.get("shift_labels")
+    num_items = batch.get("num_items_in_batch")
+    ignore_index = int(batch.get("ignore_index", -100))
+    if labels is None and shift_labels is None:
+        raise ValueError("causal_lm_loss needs labels=[B, T] or shift_labels=[B, T] in the batch, got neither")
+    config = model.config
+    if batch.get("output_router_logits", getattr(config, "output_router_logits", False)):
+        _refuse(
+            model,
+            "output_router_logits is on, so its loss would include the router auxiliary loss, which "
+            "this function does not add",
+            "Pass output_router_logits=False and add the auxiliary loss from the decoder's router_logits yourself",
+        )
+    inputs = {k: v for k, v in batch.items() if k not in _LOSS_ONLY_KEYS}
+    # A loss never needs a KV cache; building one also switches off Transformers' detection of
+    # packed rows from position_ids (5.x), which lets packed documents attend to each other.
+    inputs.setdefault("use_cache", False)
+    out = decoder(**inputs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels.to(hidden.device), (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    weight = head.weight
+    if hidden.dtype != weight.dtype:  # e.g. an fp32 final norm under autocast
+        hidden = hidden.to(weight.dtype)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    kwargs: dict[str, Any] = dict(
+        bias=head.bias, ignore_index=ignore_index, softcap=softcap, chunk_size=chunk_size,
+        compile_chunks=compile_chunks,
+    )
+    if num_items is None:
+        return functional_ce.linear_cross_entropy(hidden, weight, shift_labels, reduction="mean", **kwargs)
+    if isinstance(num_items, torch.Tensor):
+        num_items = num_items.to(hidden.device)
+    return functional_ce.linear_cross_entropy(
+        hidden, weight, shift_labels, reduction="sum", num_label_tokens=num_items, **kwargs
+    )

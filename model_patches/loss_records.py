@@ -1,0 +1,131 @@
+"""Registry record routing Transformers' causal-LM loss through ``functional_ce.cross_entropy``.
+
+Transformers computes ``model(..., labels=...)``'s loss with ``ForCausalLMLoss`` (looked up in
+``LOSS_MAPPING`` by ``PreTrainedModel.loss_function``), which first makes a full fp32 copy of the
+logits, then runs ``F.cross_entropy`` on it (another fp32 ``[N, V]`` for the log-softmax and one
+for its gradient). The replacement keeps the same contract (label shift by padding with
+``ignore_index``, ``shift_labels`` for packed rows, ``num_items_in_batch`` normalisation, extra
+keyword arguments ignored) and computes the loss from the logits in their own dtype, one fp32
+chunk at a time.
+
+The record replaces ``transformers.modeling_utils.LOSS_MAPPING`` (the name ``loss_function``
+reads) with a view of the original mapping in which every entry that is ``ForCausalLMLoss``
+(``ForCausalLM``, ``ForConditionalGeneration``, ...) is routed. ``loss_utils.LOSS_MAPPING``
+itself is left alone, so the Trainer's ``LOSS_MAPPING[...] is ForCausalLMLoss`` check (which
+decides how it counts ``num_items_in_batch``) still sees the original.
+
+One deliberate difference: with no valid label in the batch, Transformers returns NaN (0 / 0);
+the routed loss returns 0 with zero gradients.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import functional_ce
+
+from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, record_status
+
+__all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
+
+_EXPECTED_PARAMS = ("logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def chunked_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: Optional[torch.Tensor],
+    vocab_size: int,
+    num_items_in_batch: Optional[Any] = None,
+    ignore_index: int = -100,
+    shift_labels: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Drop-in for Transformers' ``ForCausalLMLoss`` (4.50+) without the fp32 logits copy.
+
+    Args:
+        logits: ``[B, T, V]`` (or ``[..., V]``) in the model's dtype.
+        labels: ``[B, T]`` unshifted labels; position ``t`` predicts ``labels[t + 1]``. Ignored
+            when ``shift_labels`` is given.
+        vocab_size: ``V``.
+        num_items_in_batch: if given, the loss is the sum over valid tokens divided by it
+            (gradient accumulation); otherwise the mean over valid tokens.
+        ignore_index: label value without loss.
+        shift_labels: ``[B, T]`` labels already aligned with ``logits`` (packed rows, sequence
+            parallelism).
+        **kwargs: ignored, as Transformers ignores them.
+
+    Returns:
+        fp32 scalar loss.
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("the causal-LM loss needs labels or shift_labels, got neither")
+        labels = labels.to(logits.device)
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    logits2d = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return functional_ce.cross_entropy(logits2d, shift_labels, ignore_index=ignore_index, reduction="mean")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(logits.device)
+    return functional_ce.cross_entropy(
+        logits2d, shift_labels, ignore_index=ignore_index, reduction="sum", num_label_tokens=num_items_in_batch
+    )
+
+
+def _probe_loss_mapping(mapping: Any) -> Optional[str]:
+    if not isinstance(mapping, collections.abc.Mapping):
+        return f"expected a mapping of loss names to functions, got {type(mapping).__name__}"
+    fn = mapping.get("ForCausalLM")
+    if fn is None:
+        return "it has no 'ForCausalLM' entry"
+    if fn is chunked_causal_lm_loss:
+        return None
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as exc:
+        return f"cannot read the signature of its ForCausalLM loss ({exc})"
+    if tuple(params[: len(_EXPECTED_PARAMS)]) != _EXPECTED_PARAMS:
+        return f"ForCausalLM loss takes {params}, expected it to start with {list(_EXPECTED_PARAMS)}"
+    return None
+
+
+def _build_loss_mapping(mapping: collections.abc.Mapping) -> collections.abc.Mapping:
+    original = mapping["ForCausalLM"]
+    routed = {name: chunked_causal_lm_loss for name, fn in mapping.items() if fn is original}
+    # A live view: losses registered in the original mapping later remain visible.
+    return collections.ChainMap(routed, mapping)  # type: ignore[arg-type]
+
+
+#: The Hugging Face loss-path records (one today; a list so the gate can split by epoch later).
+LOSS_RECORDS: tuple[PatchRecord, ...] = (
+    PatchRecord(
+        name="LOSS_MAPPING['ForCausalLM'] -> functional_ce.cross_entropy",
+        target="transformers.modeling_utils:LOSS_MAPPING",
+        versions=">=4.50",
+        probe=_probe_loss_mapping,
+        build=_build_loss_mapping,
+        epoch="4.50+",
+        doc="ForCausalLMLoss with shift_labels (added in 4.50); older releases slice the logits instead.",
+    ),
+)
+
+
+def enable_chunked_loss(*, strict: bool = True) -> PatchHandle:
+    """Route ``model(..., labels=...)``'s causal-LM loss through ``functional_ce.cross_entropy``.
+
+    Returns the undo handle (also a context manager). Applying twice is a no-op. A model with its
+    own ``loss_function`` attribute set, or a custom ``loss_type`` outside the mapping's
+    ``ForCausalLMLoss`` entries, is not affected.
+    """
+    return apply_records(LOSS_RECORDS, strict=strict)
+
+
+def chunked_loss_status() -> list[StatusRow]:
+    """One row per loss record: applied / available / skipped / failed, and why."""
+    return record_status(LOSS_RECORDS)
