@@ -1,0 +1,84 @@
+"""The packing oracle on real tiny HF models: a packed row equals each of its documents run alone.
+
+Every case also runs stock Transformers on the same batch first (negative control): the oracle
+must see the leak there, or it could not see one with the patches either.
+Flash attention runs on CPU through ``model_patches.testing`` (Transformers' real flash path,
+kernels replaced by per-sequence SDPA). FlexAttention has no CPU backward in torch, so its
+gradient case runs only where CUDA is available.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from model_patches import enable_packing
+from model_patches.packing_oracle import (
+    BACKENDS,
+    FAMILIES_UNDER_TEST,
+    grad_gap,
+    logits_gap,
+    packed_batch,
+    tiny_model,
+)
+
+FAMILIES = list(FAMILIES_UNDER_TEST)
+TOL = 1e-4  # fp32, max |packed - per-document|
+LEAK = 1e-2  # stock must be at least this far off, or the control proves nothing
+
+
+@functools.lru_cache(maxsize=None)
+def _model(family: str) -> torch.nn.Module:
+    return tiny_model(family)
+
+
+@pytest.fixture(scope="module")
+def batch() -> dict[str, torch.Tensor]:
+    b = packed_batch()
+    assert b["input_ids"].shape[0] > 1 and (b["attention_mask"] == 0).any()  # batch > 1, with padding
+    assert (b["attention_mask"].max(dim=1).values > 1).any()  # some row holds several documents
+    return b
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_documents_alone(family: str, implementation: str, batch) -> None:
+    model = _model(family).eval()
+    stock = logits_gap(model, batch, implementation, use_cache=False)
+    assert stock > LEAK, f"stock Transformers did not leak ({stock:.3g}); the oracle cannot see a leak"
+    with enable_packing():
+        for use_cache in (False, True):
+            gap = logits_gap(model, batch, implementation, use_cache=use_cache)
+            assert gap <= TOL, f"{family}/{implementation} use_cache={use_cache}: packed differs by {gap:.3g}"
+    assert logits_gap(model, batch, "eager") > LEAK  # handle removed: stock behaviour is back
+
+
+def _grad_backends() -> list[str]:
+    return [b for b in BACKENDS if b != "flex_attention" or torch.cuda.is_available()]
+
+
+@pytest.mark.parametrize("implementation", _grad_backends())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_gradients_equal_summed_document_gradients(family: str, implementation: str, batch) -> None:
+    model = _model(family).train()
+    try:
+        stock, scale = grad_gap(model, batch, implementation)
+        assert stock > LEAK * scale, f"stock gradients did not leak ({stock:.3g} vs scale {scale:.3g})"
+        with enable_packing():
+            gap, scale = grad_gap(model, batch, implementation, use_cache=(implementation == "sdpa"))
+    finally:
+        model.eval()
+    assert gap <= TOL * max(1.0, scale), f"{family}/{implementation}: gradient gap {gap:.3g} (scale {scale:.3g})"
+
+
+def test_flex_backward_on_cpu_is_a_torch_limit() -> None:
+    """Documents why the flex gradient case needs CUDA: torch itself refuses, patches or not."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the flex gradient case runs in the test above")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, q, q)
