@@ -28,6 +28,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+import torch
+
 from .packing_patches import (
     build_guard,
     build_mask_builder,
@@ -39,7 +41,7 @@ from .packing_patches import (
 )
 from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, record_status
 
-__all__ = ["enable_packing", "packing_status", "packing_records", "FAMILIES", "EPOCHS"]
+__all__ = ["enable_packing", "packing_status", "packing_records", "check_model", "FAMILIES", "EPOCHS"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,18 +162,64 @@ def _has_sliding(family: str, module: str) -> bool:
     return mod is None or family in FAMILIES or hasattr(mod, _BUILDERS[1])
 
 
-def enable_packing(*, strict: bool = True, extra_modules: Sequence[str] = ()) -> PatchHandle:
+def enable_packing(
+    *, strict: bool = True, extra_modules: Sequence[str] = (), model: Optional[torch.nn.Module] = None
+) -> PatchHandle:
     """Make an indexed 2D attention mask mean "same document, causal, not padding".
 
     Applies every record whose version gate and probe pass; returns a handle (``handle.remove()``
     or ``with enable_packing(): ...``). Enabling twice is a no-op; patches stay until the last
     handle is removed. Raises ``PatchError`` when an admitted record does not fit the installed
-    Transformers (``strict=False``: log it and go on without that record).
+    Transformers (``strict=False``: log it and go on without that record). With ``model``, also
+    raises ``ValueError`` (and undoes the patches) if any of its Transformers model modules builds
+    masks in a way the patches do not cover, see :func:`check_model`.
     """
+    if model is not None:
+        own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in _BUILDERS)]
+        extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict)
     applied = sum(r.state == "applied" for r in handle.rows)
     logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
+    if model is not None:
+        try:
+            check_model(model)
+        except ValueError:
+            handle.remove()
+            raise
     return handle
+
+
+def _model_modules(model: torch.nn.Module) -> list[str]:
+    return sorted(
+        {type(m).__module__ for m in model.modules() if type(m).__module__.startswith("transformers.models.")}
+        & {n for n in sys.modules if ".modeling_" in n}
+    )
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` unless every Transformers model module used by ``model`` is covered now.
+
+    Covered = the module's ``create_causal_mask`` (and sliding-window builder, if it has one) is
+    currently the packing replacement. A module that builds masks another way would let packed
+    documents attend to each other silently, so it is refused here.
+    """
+    modules = _model_modules(model)
+    bad, covered = [], []
+    for name in modules:
+        namespace = vars(sys.modules[name])
+        builders = [namespace[n] for n in _BUILDERS if n in namespace]
+        if builders:
+            (covered if all(hasattr(b, "_packing_original") for b in builders) else bad).append(name)
+    if not covered:  # a model with no masking_utils builders at all builds masks its own way
+        bad = bad or modules or [type(model).__module__]
+    if bad:
+        raise ValueError(
+            f"packing is not supported for {type(model).__name__}: {', '.join(bad)} "
+            "does not build its attention masks with masking_utils.create_causal_mask / "
+            "create_sliding_window_causal_mask under the packing patches, so an indexed mask "
+            "would leak across documents. Fix: use a model family that does (covered by name: "
+            f"{', '.join(FAMILIES)}), or train this model without packing"
+        )
 
 
 def packing_status(extra_modules: Sequence[str] = ()) -> list[StatusRow]:

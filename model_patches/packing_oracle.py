@@ -52,7 +52,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     model_type, extra = FAMILIES_UNDER_TEST[family]
     config = AutoConfig.for_model(model_type, **{**_COMMON, **extra})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.eval()
 
 

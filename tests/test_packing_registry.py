@@ -1,0 +1,183 @@
+"""The packing records on the installed Transformers: completeness, undo, fail-closed refusals."""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+import transformers
+import transformers.masking_utils as mu
+import transformers.modeling_flash_attention_utils as fu
+from model_patches import PatchError, apply_records, enable_packing, packing_status
+from model_patches.packing import EPOCHS, FAMILIES, check_model, packing_records
+from model_patches.packing_oracle import packed_batch, tiny_model
+from model_patches.registry import record_status
+from model_patches.testing import use_attention
+
+INDEXED = torch.tensor([[1, 1, 2, 2, 2, 0]])
+
+
+def _originals() -> dict[str, object]:
+    import transformers.models.llama.modeling_llama as ml
+
+    return {
+        "mu.create_causal_mask": mu.create_causal_mask,
+        "mu.create_sliding_window_causal_mask": mu.create_sliding_window_causal_mask,
+        "mu._preprocess_mask_arguments": mu._preprocess_mask_arguments,
+        "fu._get_unpad_data": fu._get_unpad_data,
+        "llama.create_causal_mask": ml.create_causal_mask,
+    }
+
+
+def test_every_record_fits_or_is_gated_out_on_the_installed_release() -> None:
+    rows = packing_status()
+    assert rows and not [r for r in rows if r.state == "failed"], [r for r in rows if r.state == "failed"]
+    installed = transformers.__version__
+    admitted = {e for e, (spec, _, _) in EPOCHS.items() if records_admit(spec, installed)}
+    assert len(admitted) == 1, f"exactly one epoch must admit {installed}, got {admitted}"
+    for r in rows:
+        if r.epoch in EPOCHS and r.epoch not in admitted:
+            assert r.state == "skipped" and installed in r.reason
+    targets = {r.target for r in rows if r.state == "available"}
+    for fam in ("llama", "qwen3", "mistral", "gemma3", "qwen3_moe"):
+        assert f"transformers.models.{fam}.modeling_{fam}:create_causal_mask" in targets
+
+
+def records_admit(spec: str, version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(version, prereleases=True)
+
+
+def test_enable_twice_is_noop_and_last_remove_restores_originals() -> None:
+    before = _originals()
+    h1 = enable_packing()
+    patched = _originals()
+    assert all(patched[k] is not before[k] for k in before)
+    h2 = enable_packing()
+    assert _originals() == patched  # not wrapped twice
+    h1.remove()
+    assert _originals() == patched  # h2 still holds them
+    assert {r.state for r in packing_status() if r.target.endswith(":_get_unpad_data")} == {"applied"}
+    h2.remove()
+    assert _originals() == before
+    with enable_packing() as h3:
+        assert h3.active
+    assert _originals() == before
+
+
+def test_plain_masks_pass_through_unchanged() -> None:
+    model = use_attention(tiny_model("llama"), "sdpa")
+    b = packed_batch()
+    plain = (b["attention_mask"] != 0).long()
+    with torch.no_grad():
+        stock = model(input_ids=b["input_ids"], attention_mask=plain).logits
+        with enable_packing():
+            patched = model(input_ids=b["input_ids"], attention_mask=plain).logits
+    assert torch.equal(stock, patched)
+
+
+def test_other_mask_builders_refuse_an_indexed_mask() -> None:
+    config = tiny_model("llama").config
+    embeds = torch.zeros(1, INDEXED.shape[1], 8)
+    with enable_packing():
+        with pytest.raises(ValueError, match="do not cover"):
+            mu.create_bidirectional_mask(config, embeds, INDEXED)
+        mu.create_bidirectional_mask(config, embeds, (INDEXED != 0).long())  # a 0/1 mask is fine
+
+
+def test_flash_decode_and_unknown_backends_are_refused() -> None:
+    config = tiny_model("llama").config
+    with enable_packing():
+        config._attn_implementation = "flash_attention_2"
+        with pytest.raises(ValueError, match="full sequences only"):
+            mu.create_causal_mask(config, torch.zeros(1, 1, 8), INDEXED, None, position_ids=None)
+        config._attn_implementation = "my_custom_kernel"
+        with pytest.raises(ValueError, match="eager, sdpa, flex_attention"):
+            mu.create_causal_mask(config, torch.zeros(1, 6, 8), INDEXED, None, position_ids=None)
+
+
+def test_model_that_builds_masks_another_way_is_refused() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "cpmant", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, dim_head=16,
+        dim_ff=64, vocab_size=100, prompt_length=4, prompt_types=2, segment_types=2,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    before = _originals()
+    with pytest.raises(ValueError, match="cpmant.*leak across documents"):
+        enable_packing(model=model)
+    assert _originals() == before  # refused without leaving patches behind
+    with enable_packing(model=tiny_model("gemma3")):
+        check_model(tiny_model("qwen3_moe"))
+
+
+@pytest.fixture
+def foreign_module(monkeypatch):
+    """A model module whose create_causal_mask is its own function, not masking_utils'."""
+    name = "transformers.models.fakefam.modeling_fakefam"
+    mod = types.ModuleType(name)
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, cache, and_mask_function=None):
+        return None
+
+    mod.create_causal_mask = create_causal_mask
+    monkeypatch.setitem(sys.modules, name, mod)
+    return name
+
+
+def test_module_with_its_own_mask_builder_fails_closed(foreign_module) -> None:
+    before = _originals()
+    with pytest.raises(PatchError, match=rf"(?s)transformers {transformers.__version__} is installed.*builds its masks another way"):
+        enable_packing(extra_modules=[foreign_module])
+    assert _originals() == before
+    with enable_packing(strict=False, extra_modules=[foreign_module]) as h:
+        states = {r.target.split(":")[0]: r.state for r in h.rows if "fakefam" in r.target}
+        assert set(states.values()) == {"failed"}
+        assert mu.create_causal_mask is not before["mu.create_causal_mask"]
+
+
+def test_signature_drift_fails_closed() -> None:
+    """Pretend the installed release were in the other epochs: their probes see the real signature."""
+    installed = transformers.__version__
+    for epoch, (spec, cache_arg, _) in EPOCHS.items():
+        if records_admit(spec, installed):
+            continue
+        fake = spec.split(",")[0].lstrip(">=")
+        fake = fake if fake.count(".") == 2 else fake + ".0"
+        with pytest.raises(PatchError, match="probe of transformers.masking_utils:create_causal_mask failed"):
+            apply_records(packing_records(), version=fake)
+    with pytest.raises(PatchError, match="before masking_utils|4.53 or newer"):
+        apply_records(packing_records(), version="4.51.3")
+
+
+def test_newer_release_runs_probes_and_warns(recwarn) -> None:
+    with pytest.warns(UserWarning, match="newer than the newest release"):
+        handle = apply_records(packing_records(), version="5.999.0")
+    assert any(r.state == "applied" for r in handle.rows)
+    handle.remove()
+
+
+def test_already_imported_modules_are_discovered() -> None:
+    import transformers.models.arcee.modeling_arcee  # noqa: F401 - not in FAMILIES
+
+    assert "arcee" not in FAMILIES
+    assert any("modeling_arcee:create_causal_mask" in r.target for r in packing_status())
+
+
+def test_late_import_falls_back_after_remove() -> None:
+    """A module that grabbed the patched builder keeps working as stock once packing is off."""
+    config = use_attention(tiny_model("llama"), "sdpa").config
+    embeds = torch.zeros(1, 6, 8)
+    with enable_packing():
+        grabbed = mu.create_causal_mask
+        packed = grabbed(config, embeds, INDEXED, None, position_ids=None)
+    stock = grabbed(config, embeds, INDEXED, None, position_ids=None)
+    original = mu.create_causal_mask(config, embeds, INDEXED, None, position_ids=None)
+    assert torch.equal(stock, original) and not torch.equal(packed, original)
+    assert bool(packed[0, 0, 2, 1]) is False and bool(stock[0, 0, 2, 1]) is True  # doc 2 -> doc 1
