@@ -1,0 +1,131 @@
+"""Pure mask helpers against brute-force Python references (hypothesis draws the layouts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from model_patches.masks import (
+    block_causal_mask_function,
+    dense_block_causal_mask,
+    document_ids,
+    document_lengths,
+    is_indexed_mask,
+    same_document_mask_function,
+    unpad_documents,
+)
+from model_patches.testing import sdpa_flash_attn_varlen_func
+
+
+@st.composite
+def layouts(draw) -> list[list[int]]:
+    """Rows of equal length: documents as runs of an arbitrary positive id, zeros anywhere."""
+    length = draw(st.integers(1, 14))
+    rows = []
+    for _ in range(draw(st.integers(1, 3))):
+        row: list[int] = []
+        while len(row) < length:
+            value = draw(st.integers(0, 4))
+            row += [value] * draw(st.integers(1, length - len(row)))
+        rows.append(row)
+    return rows
+
+
+def _runs(row: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of every maximal run of one non-zero value: the documents."""
+    out, start = [], 0
+    for i in range(1, len(row) + 1):
+        if i == len(row) or row[i] != row[start]:
+            if row[start]:
+                out.append((start, i))
+            start = i
+    return out
+
+
+@given(layouts())
+def test_document_ids_number_runs_per_row(rows) -> None:
+    ids = document_ids(torch.tensor(rows))
+    for r, row in enumerate(rows):
+        expect = [0] * len(row)
+        for k, (s, e) in enumerate(_runs(row), start=1):
+            expect[s:e] = [k] * (e - s)
+        assert ids[r].tolist() == expect
+
+
+@given(layouts())
+def test_unpad_documents_gives_one_sequence_per_document(rows) -> None:
+    mask = torch.tensor(rows)
+    indices, cu, max_len = unpad_documents(mask)
+    spans = [(r * len(rows[0]) + s, r * len(rows[0]) + e) for r, row in enumerate(rows) for s, e in _runs(row)]
+    lengths = [e - s for s, e in spans]
+    expected_cu = [0]
+    for n in lengths:
+        expected_cu.append(expected_cu[-1] + n)
+    assert cu.dtype == torch.int32 and cu.tolist() == expected_cu
+    assert indices.tolist() == [i for s, e in spans for i in range(s, e)]
+    assert max_len == max(lengths, default=0)
+    assert document_lengths(mask).tolist() == lengths
+
+
+@given(layouts(), st.one_of(st.none(), st.integers(1, 5)))
+def test_block_causal_mask_matches_the_rule(rows, window) -> None:
+    dense = dense_block_causal_mask(torch.tensor(rows), window)
+    for r, row in enumerate(rows):
+        doc = {i: k for k, (s, e) in enumerate(_runs(row), start=1) for i in range(s, e)}
+        for q in range(len(row)):
+            for kv in range(len(row)):
+                same = kv in doc and doc.get(q) == doc[kv]
+                ok = kv <= q and (same or q == kv) and (window is None or q - kv < window)
+                assert bool(dense[r, 0, q, kv]) == ok, (r, q, kv)
+        assert dense[r, 0].any(-1).all(), "every query attends to something (no NaN rows)"
+
+
+def test_mask_function_pads_to_a_longer_cache() -> None:
+    ids = document_ids(torch.tensor([[1, 1, 2]]))
+    fn = same_document_mask_function(ids, kv_length=5)
+    b, h = torch.tensor(0), torch.tensor(0)
+    assert bool(fn(b, h, torch.tensor(2), torch.tensor(4))) is False  # past the mask = padding
+    assert bool(fn(b, h, torch.tensor(1), torch.tensor(0))) is True
+
+
+def test_is_indexed_mask() -> None:
+    assert is_indexed_mask(torch.tensor([[1, 1, 2, 0]]))
+    assert not is_indexed_mask(torch.tensor([[1, 1, 1, 0]]))  # an ordinary padding mask
+    assert not is_indexed_mask(torch.tensor([[True, False]]))
+    assert not is_indexed_mask(torch.tensor([[1.0, 2.0]]))
+    assert not is_indexed_mask(torch.ones(1, 1, 2, 2, dtype=torch.long) * 2)  # 4D masks are not ours
+    assert not is_indexed_mask(None)
+
+
+@pytest.mark.parametrize(
+    "bad, err, match",
+    [
+        (torch.ones(1, 1, 4, dtype=torch.long), ValueError, "2D"),
+        (torch.ones(1, 4), TypeError, "integers"),
+        (torch.tensor([[1, -1]]), ValueError, ">= 0"),
+        ([[1, 2]], TypeError, "torch.Tensor"),
+    ],
+)
+def test_bad_masks_are_rejected(bad, err, match) -> None:
+    with pytest.raises(err, match=match):
+        document_ids(bad)
+    with pytest.raises(ValueError, match="sliding_window"):
+        block_causal_mask_function(torch.ones(1, 2, dtype=torch.long), 0)
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.sampled_from([(-1, -1), (2, 2)]), st.integers(0, 2**16))
+def test_varlen_double_equals_each_sequence_alone(lengths, window, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 4, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = sdpa_flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, window_size=window)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = e - s
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (j <= i) & ((i - j <= window[0]) if window[0] >= 0 else True)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) / 8**0.5
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v[s:e])
+        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
