@@ -1,0 +1,23 @@
+"""pytest-benchmark: cross-entropy from logits, forward + backward, side by side with torch.
+
+``python -m pytest bench/bench_ce_logits.py --benchmark-enable`` times them; the default test
+run executes each once (``--benchmark-disable``) so the benchmarks cannot rot.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import ce_logits
+
+SHAPE = dict(n=256, v=8192, dtype="bf16", device="cpu")
+
+
+@pytest.mark.parametrize("variant", ["torch eager", "torch compiled", "functional_ce", "functional_ce inplace"])
+def test_ce_logits_forward_backward(benchmark, variant):
+    setup, extra, available = ce_logits.VARIANTS[variant]
+    module, name = setup.split(":")
+    assert module == ce_logits.__name__
+    step = getattr(ce_logits, name)(**SHAPE, **extra)
+    benchmark.group = f"ce_logits {SHAPE['n']}x{SHAPE['v']} {SHAPE['dtype']}"
+    benchmark.pedantic(step, warmup_rounds=1, rounds=5, iterations=1)
