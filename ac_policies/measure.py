@@ -1,0 +1,182 @@
+"""Measure what a policy does: bytes kept for backward and FLOPs (with grouped-GEMM experts).
+
+- :func:`kept_for_backward` runs a forward and reports the activation bytes still alive when
+  it returns, two ways: storages produced by forward ops that are still referenced (by autograd
+  or by checkpoint's saved inputs and selective cache), and the bytes autograd packed through
+  saved-tensor hooks (what a hook-based offloader would see; tensors saved *inside* a
+  checkpoint region are recomputed, so the hooks never see them).
+- :func:`flop_counter` is ``FlopCounterMode`` that also counts ``aten._grouped_mm`` (the op
+  Hugging Face MoE experts run by default) and the CPU flash-attention kernels, which torch's
+  counter does not know.
+- :func:`recompute_flops` counts the FLOPs a backward pass spends re-running forward code:
+  ops that run with grad mode on during ``backward()`` (the engine runs gradient formulas with
+  grad mode off; checkpoint recomputes with it on), split by whether they run inside a chosen
+  set of modules (the MoE blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils import flop_counter as _fc
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
+
+__all__ = ["KeptBytes", "kept_for_backward", "flop_counter", "grouped_mm_flop", "recompute_flops"]
+
+
+def grouped_mm_flop(a_shape, b_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
+    """FLOPs of ``_grouped_mm(a, b, offs)``: 2 x output elements x contracted size.
+
+    For 2-D x 2-D (the weight gradient) the output is ``[groups, m, n]`` but each group only
+    contracts its own slice of ``k``, so the group count does not multiply.
+    """
+    k = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[-2] * out_shape[-1] * k
+    return 2 * math.prod(out_shape) * k
+
+
+def _sdpa_flop(q_shape, k_shape, v_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
+    return _fc.sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def _sdpa_backward_flop(g_shape, q_shape, k_shape, v_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
+    return _fc.sdpa_backward_flop_count(g_shape, q_shape, k_shape, v_shape)
+
+
+def _extra_formulas(wrapped: bool) -> dict:
+    """Formulas torch's registry lacks: grouped GEMM and the CPU flash-attention pair.
+
+    ``wrapped``: shape-wrapped (as in ``flop_registry``) or raw (for ``custom_mapping``).
+    """
+    aten = torch.ops.aten
+    raw: dict = {}
+    if hasattr(aten, "_grouped_mm"):
+        raw[aten._grouped_mm] = grouped_mm_flop
+    # same leading (q, k, v) / (grad_out, q, k, v) arguments as the CUDA flash kernels
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        raw[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_flop
+        raw[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_backward_flop
+    return {k: shape_wrapper(v) for k, v in raw.items()} if wrapped else raw
+
+
+def flop_counter(**kwargs: Any) -> FlopCounterMode:
+    """``FlopCounterMode(display=False, ...)`` that also counts grouped GEMMs and CPU flash attention."""
+    mapping = {**_extra_formulas(wrapped=False), **dict(kwargs.pop("custom_mapping", {}))}
+    kwargs.setdefault("display", False)
+    return FlopCounterMode(custom_mapping=mapping, **kwargs)
+
+
+class _RecomputeFlops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = {**flop_registry, **_extra_formulas(wrapped=True)}
+        self.in_backward = False
+        self.inside = 0  # depth of calls into the watched modules
+        self.total = 0
+        self.watched = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.in_backward and torch.is_grad_enabled():
+            formula = self.registry.get(func._overloadpacket)
+            if formula is not None:
+                n = formula(*args, **kwargs, out_val=out)
+                self.total += n
+                self.watched += n if self.inside else 0
+        return out
+
+
+def recompute_flops(
+    model: nn.Module, forward: Callable[[], torch.Tensor], watched: Iterable[str] = ()
+) -> tuple[int, int]:
+    """``(all, watched)`` FLOPs recomputed during ``forward().backward()``.
+
+    ``watched`` are fully qualified module names; FLOPs of ops run inside any of them (or their
+    descendants, called as modules) count in the second number.
+    """
+    mode = _RecomputeFlops()
+    names = list(watched)
+    subtree = {id(m) for n in names for m in model.get_submodule(n).modules()}
+    hooks = []
+
+    def enter(mod, args):
+        mode.inside += 1
+
+    def leave(mod, args, out):
+        mode.inside -= 1
+
+    for m in model.modules():
+        if id(m) in subtree:
+            hooks.append(m.register_forward_pre_hook(enter))
+            hooks.append(m.register_forward_hook(leave))
+    try:
+        loss = forward()
+        with mode:  # only backward runs under the mode: forward is never counted
+            mode.in_backward = True
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return mode.total, mode.watched
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBytes:
+    """Activation bytes alive after forward (``live``) and packed by saved-tensor hooks (``saved``)."""
+
+    live: int
+    saved: int
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to the storage of every tensor a forward op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                old = self.refs.get(key)
+                if key and (old is None or old[0].expired()):
+                    self.refs[key] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+
+def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, KeptBytes]:
+    """Run ``forward()`` (returning the loss) and measure what it keeps for backward.
+
+    Parameters and buffers are excluded; so is the returned loss. The caller runs backward.
+    """
+    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    owned |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in owned:
+            packed[st.data_ptr()] = st.nbytes()
+        return t
+
+    mode = _Outputs()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        loss = forward()
+    gc.collect()
+    loss_ptr = loss.untyped_storage().data_ptr()
+    live = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in owned and key != loss_ptr)
+    saved = sum(n for key, n in packed.items() if key != loss_ptr)
+    return loss, KeptBytes(live=live, saved=saved)

@@ -1,0 +1,185 @@
+"""``ac`` section: what each activation-checkpointing preset keeps and recomputes on a small MoE model.
+
+For every preset, side by side with no checkpointing in the same run: activation bytes kept
+for backward (storages still referenced after forward, and bytes packed by saved-tensor
+hooks), recompute FLOPs (``FlopCounterMode`` over forward+backward, minus the same count
+without checkpointing) with the MoE blocks' share, and the median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+import ac_policies
+from ac_policies.measure import kept_for_backward, recompute_flops
+
+from .report import Section, Table, ratio
+
+PRESETS = ["none", "full", "selective", "non_moe", "non_moe_no_attn"]
+MIB = 2**20
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ac-seq", type=int, default=512, help="sequence length (batch 1; default 512)")
+    group.add_argument("--ac-layers", type=int, default=2, help="decoder layers of the MoE model (default 2)")
+    group.add_argument("--ac-repeats", type=int, default=2, help="timed steps per preset (median)")
+
+
+def model_config(seq: int, layers: int, **overrides: Any) -> dict[str, Any]:
+    """A small Qwen3-MoE: hidden 256, 8 query heads x 64 (2x hidden, as in Qwen3), 4 KV heads,
+    8 experts top-2 with intermediate 128, vocabulary 1024, sdpa attention, fp32."""
+    cfg = dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=seq, use_cache=False,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def build(cfg: dict[str, Any], device: str) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.AutoConfig.for_model("qwen3_moe", **cfg)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float().to(device).train()
+
+
+def measure_preset(model, preset: str, ids: torch.Tensor, moe_fqns: list[str]) -> dict[str, Any]:
+    """Kept bytes and recompute FLOPs (all, MoE) of one training step under ``preset``."""
+
+    def step() -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    kept = {}
+
+    def forward() -> torch.Tensor:
+        loss, kept["bytes"] = kept_for_backward(model, step)
+        return loss
+
+    with _applied(model, preset) as handle:
+        model.zero_grad(set_to_none=True)
+        flops, moe_flops = recompute_flops(model, forward, moe_fqns)
+    kb = kept["bytes"]
+    return {"wrapped": len(handle.plan.wrapped), "live": kb.live, "saved": kb.saved, "flops": flops, "moe_flops": moe_flops}
+
+
+def _applied(model, preset: str) -> ac_policies.PolicyHandle:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)  # `full` warns about MoE recompute
+        return ac_policies.apply_policy(model, preset)
+
+
+def time_presets(model, ids: torch.Tensor, repeats: int, tick: Callable[[str], None]) -> dict[str, float]:
+    """Median step time (ms) per preset; presets take turns so load changes hit them alike."""
+    times: dict[str, list[float]] = {p: [] for p in PRESETS}
+    for r in range(repeats):
+        for preset in PRESETS:
+            tick(f"ac time {preset} ({r + 1}/{repeats})")
+            with _applied(model, preset):
+                model.zero_grad(set_to_none=True)
+                if ids.is_cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(input_ids=ids, labels=ids).loss.backward()
+                if ids.is_cuda:
+                    torch.cuda.synchronize()
+                times[preset].append(time.perf_counter() - t0)
+    return {p: 1e3 * statistics.median(v) for p, v in times.items()}
+
+
+def _moe_fqns(model) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [r.fqn for r in ac_policies.plan(model, [ac_policies.Rule(when="moe", action="none")])]
+
+
+def sensitivity(args: argparse.Namespace, tick: Callable[[str], None]) -> list[list[Any]]:
+    """non_moe / none kept bytes on differently shaped MoE models (forward only)."""
+    shapes = {
+        "query heads x 32 (q = hidden)": dict(head_dim=32),
+        "8 of 32 experts, intermediate 96": dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=96),
+        "2 of 8 experts, intermediate 896": dict(moe_intermediate_size=896),
+    }
+    rows = []
+    ids = torch.randint(2, 1024, (1, args.ac_seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    for label, over in shapes.items():
+        tick(f"ac sensitivity: {label}")
+        model = build(model_config(args.ac_seq, args.ac_layers, **over), args.device)
+        kept = {}
+        for preset in ("none", "non_moe"):
+            with ac_policies.apply_policy(model, preset):
+                loss, kb = kept_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)
+                kept[preset] = kb.live
+                del loss
+        rows.append([label, kept["none"] / MIB, kept["non_moe"] / MIB, ratio(kept["non_moe"], kept["none"])])
+    return rows
+
+
+def _command(args: argparse.Namespace) -> str:
+    opts = ["--ac-seq", str(args.ac_seq), "--ac-layers", str(args.ac_layers), "--device", args.device]
+    return "python -m bench --only ac " + " ".join(shlex.quote(a) for a in opts)
+
+
+def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    cfg = model_config(args.ac_seq, args.ac_layers)
+    model = build(cfg, args.device)
+    ids = torch.randint(2, cfg["vocab_size"], (1, args.ac_seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    moe_fqns = _moe_fqns(model)
+    results = {}
+    for preset in PRESETS:  # the measured step also warms up the timed ones
+        tick(f"ac {preset}")
+        results[preset] = measure_preset(model, preset, ids, moe_fqns)
+    for preset, ms in time_presets(model, ids, args.ac_repeats, tick).items():
+        results[preset]["ms"] = ms
+    base = results["none"]
+    rows = []
+    for preset, r in results.items():
+        recompute, moe_recompute = r["flops"], r["moe_flops"]
+        rows.append([
+            preset, r["wrapped"], r["live"] / MIB, ratio(r["live"], base["live"]), r["saved"] / MIB,
+            recompute / 1e9, moe_recompute / 1e9, ratio(moe_recompute, recompute), r["ms"], ratio(r["ms"], base["ms"]),
+        ])
+    model_desc = (
+        f"Qwen3-MoE, {args.ac_layers} layers, hidden 256, 8x64 query heads, 4 KV heads, 8 experts top-2 "
+        f"(intermediate 128), vocab 1024, fp32, sdpa; batch 1 x seq {args.ac_seq}, random init"
+    )
+    table = Table(
+        title=f"activation checkpointing presets on a small MoE model ({args.device})",
+        columns=["preset", "wrapped", "kept (MiB)", "x none", "hooks (MiB)", "recompute (GFLOP)",
+                 "MoE recompute (GFLOP)", "MoE share", "step (ms)", "x none"],
+        rows=rows,
+        baseline="none: the same model without checkpointing, same run",
+        notes=[
+            f"model: {model_desc}",
+            "kept = bytes of forward-op outputs still referenced when forward returns (autograd's saved "
+            "tensors, checkpoint inputs, selective's cache), parameters and the loss excluded",
+            "hooks = bytes packed by saved-tensor hooks; these miss selective's cached matmul outputs",
+            "recompute = FLOPs of forward ops rerun during backward (torch's FLOP formulas plus _grouped_mm "
+            "and CPU flash attention); MoE = the part run inside the MoE blocks (router, experts, shared experts)",
+            "step = median forward+backward time; presets take turns, the CPU is shared with other jobs",
+        ],
+        command=_command(args),
+    )
+    sens = [["the model above", base["live"] / MIB, results["non_moe"]["live"] / MIB,
+             ratio(results["non_moe"]["live"], base["live"])]] + sensitivity(args, tick)
+    table2 = Table(
+        title=f"non_moe: kept bytes vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
+        columns=["shape", "none (MiB)", "non_moe (MiB)", "x none"],
+        rows=sens,
+        baseline="none on the same shape",
+        notes=["non_moe keeps every activation of the MoE blocks by design, so the saving shrinks as "
+               "the experts' share of activations grows (many small experts per token, or large ones)"],
+        command=_command(args),
+    )
+    data = {"config": cfg, "seq": args.ac_seq, "results": results,
+            "sensitivity": {r[0]: {"none": r[1], "non_moe": r[2]} for r in sens}}
+    return Section(name="ac: activation-checkpointing policies", tables=[table, table2], data=data)
