@@ -175,7 +175,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
     Hugging Face gradient checkpointing enabled: either would checkpoint modules twice.
     Apply before ``torch.compile`` and before FSDP2 ``fully_shard``.
     """
-    p = plan(model, policy, strict=strict)
+    p = plan(model, policy, strict=strict, _stacklevel=3)
     for fqn, m in model.named_modules():
         row = applied_row(m)
         if row is not None:

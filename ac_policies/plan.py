@@ -83,7 +83,7 @@ class Plan(tuple):
         return "\n".join(lines)
 
 
-def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False) -> Plan:
+def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stacklevel: int = 2) -> Plan:
     """Match every module of ``model`` against ``policy`` (first matching rule wins).
 
     Returns a :class:`Plan` without changing the model. Raises ValueError when a rule with
@@ -129,12 +129,12 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False) -> Plan:
     if problems and strict:
         raise ValueError("strict plan rejected: " + "; ".join(problems) + ". Fix the table or pass strict=False.")
     for p in problems:
-        warnings.warn(p, ACPolicyWarning, stacklevel=2)
+        warnings.warn(p, ACPolicyWarning, stacklevel=_stacklevel)
     if moe_hit:
         msg = (
             f"{len(moe_hit)} MoE block(s) ({moe_hit[0]}{', ...' if len(moe_hit) > 1 else ''}) lie in a checkpointed "
             "region: their router and experts are recomputed in backward; the 'non_moe' preset avoids this"
         )
-        warnings.warn(msg, ACPolicyWarning, stacklevel=2)
+        warnings.warn(msg, ACPolicyWarning, stacklevel=_stacklevel)
     return result
 

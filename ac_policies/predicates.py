@@ -115,13 +115,13 @@ def predicate(fn: PredicateFn, name: Optional[str] = None) -> Predicate:
     return Predicate(fn, label, None)
 
 
-def _paren(p: Predicate) -> str:
-    """The name, parenthesised when it has a top-level ``&`` or ``|``."""
+def _paren(p: Predicate, ops: tuple[str, ...] = (" & ", " | ")) -> str:
+    """The name, parenthesised when it has one of ``ops`` at the top level."""
     depth = 0
     for i, ch in enumerate(p.name):
         depth += ch == "("
         depth -= ch == ")"
-        if depth == 0 and p.name[i : i + 3] in (" & ", " | "):
+        if depth == 0 and p.name[i : i + 3] in ops:
             return f"({p.name})"
     return p.name
 
@@ -134,7 +134,7 @@ def all_of(*preds: Any) -> Predicate:
     if len(ps) == 1:
         return ps[0]
     spec = {"all_of": [p.spec for p in ps]} if all(p.spec is not None for p in ps) else None
-    return Predicate(lambda f, m: all(p(f, m) for p in ps), " & ".join(_paren(p) for p in ps), spec)
+    return Predicate(lambda f, m: all(p(f, m) for p in ps), " & ".join(_paren(p, (" | ",)) for p in ps), spec)
 
 
 def any_of(*preds: Any) -> Predicate:

@@ -72,7 +72,7 @@ class Rule:
     def __str__(self) -> str:
         parts = [] if self.match == "*" else [f"match({self.match!r})"]
         if self.when is not None:
-            parts.append(_paren(self.when) if parts else self.when.name)
+            parts.append(_paren(self.when, (" | ",)) if parts else self.when.name)
         text = " & ".join(parts) or "*"
         ops = f" ops={list(self.ops)}" if self.ops is not None else ""
         req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
