@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from .plan import Plan, PlanRow, plan
 from .selective import DEFAULT_SAVE_OPS, selective_context_fn
@@ -146,10 +146,10 @@ def _cache_safe(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs
 
 def _make_forward(module: nn.Module, row: PlanRow, orig: Callable) -> Callable:
     action = row.action
+    # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
+    extra: dict[str, Any] = {}
     if action == "selective":
-        context_fn = selective_context_fn(row.rule.ops if row.rule.ops is not None else DEFAULT_SAVE_OPS)
-    else:
-        context_fn = noop_context_fn
+        extra["context_fn"] = selective_context_fn(row.rule.ops if row.rule.ops is not None else DEFAULT_SAVE_OPS)
     fqn = row.fqn
 
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -161,7 +161,7 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable) -> Callable:
         fn = orig
         if any(_is_cache(a) for a in args) or any(_is_cache(v) for v in kwargs.values()):
             fn = _cache_safe(module, fqn, orig, args, kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     functools.update_wrapper(forward, orig, updated=())
     setattr(forward, _MARK, row)

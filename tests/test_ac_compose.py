@@ -1,0 +1,91 @@
+"""Composition: a policy applied before torch.compile, and before FSDP2 ``fully_shard``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ac_policies
+from ac_models import batch, build, loss_and_grads
+
+
+def test_policy_then_compile_keeps_every_checkpoint_region_and_gradients():
+    """Applied before torch.compile (aot_eager): one graph, one checkpoint op per wrapped module."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (registers aot_eager)
+    from torch._dynamo.backends.registry import lookup_backend
+
+    model = build("qwen3_moe", num_hidden_layers=1, use_cache=False)
+    ids = batch(s=8)
+    loss0, grads0 = loss_and_grads(model, ids)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    handle = ac_policies.apply_policy(model, "non_moe")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=backend)
+        model.zero_grad(set_to_none=True)
+        loss1 = compiled(input_ids=ids, labels=ids).loss
+        loss1.backward()
+        grads1 = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        torch._dynamo.reset()
+        handle.remove()
+    assert len(graphs) == 1  # no graph break
+    hops = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+    assert len(hops) == len(handle.plan.wrapped) == 4  # self_attn, two norms, final norm
+    torch.testing.assert_close(loss1.detach(), loss0, rtol=1e-6, atol=1e-6)
+    assert grads1.keys() == grads0.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        ids = batch(seed=rank, s=8)  # each rank its own data
+        ref = build("qwen3_moe", use_cache=False)
+        _, grads = loss_and_grads(ref, ids)
+        for g in grads.values():  # the data-parallel gradient: mean over ranks
+            dist.all_reduce(g)
+            g /= world
+        model = build("qwen3_moe", use_cache=False)
+        handle = ac_policies.apply_policy(model, "non_moe")  # documented order: policy, then fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        watched = model.model.layers[0].mlp.gate
+        calls = []
+        hook = watched.register_forward_pre_hook(lambda m, a: calls.append(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        hook.remove()
+        assert len(calls) == 1, f"router ran {len(calls)} times"
+        assert {r.fqn for r in handle.plan.wrapped} == {n for n, m in model.named_modules() if "forward" in m.__dict__}
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_policy_then_fsdp2_fully_shard_on_two_gloo_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    init_file = str(tmp_path / "init")
+    env = os.environ.copy()
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        mp.spawn(_fsdp_worker, args=(2, init_file), nprocs=2, join=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
