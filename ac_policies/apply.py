@@ -186,7 +186,8 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
         if getattr(m, "gradient_checkpointing", False) is True:
             raise ValueError(
                 f"Hugging Face gradient checkpointing is enabled on {fqn or '<root>'} ({type(m).__name__}); "
-                "call model.gradient_checkpointing_disable() before apply_policy, or the blocks are checkpointed twice"
+                "call model.activation_checkpointing_disable() (gradient_checkpointing_disable() before Transformers 5.x) "
+                "before apply_policy, or the blocks are checkpointed twice"
             )
     changes: list[tuple[nn.Module, PlanRow, Any, Callable]] = []
     for row in p.wrapped:
