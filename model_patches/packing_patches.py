@@ -77,6 +77,8 @@ def mask_builder_probe(cache_arg: str, needs_cache_position: bool) -> Callable[[
         for name in (cache_arg, "and_mask_function"):
             if name not in params:
                 return f"no {name!r} parameter (found {params})"
+        if cache_arg == "past_key_values" and "cache" in params:
+            return f"'past_key_values' was renamed 'cache' (the 5.24+ signature; found {params})"
         if ("cache_position" in params) != needs_cache_position:
             return f"'cache_position' {'missing' if needs_cache_position else 'present'} (found {params})"
         return None

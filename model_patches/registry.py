@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 #: Newest Transformers release the records of this library were tested against. A record may
 #: name its own (``PatchRecord.newest_tested``).
-NEWEST_TESTED = "5.24.0"
+NEWEST_TESTED = "5.25.0"
 
 
 class PatchError(RuntimeError):
