@@ -1,0 +1,28 @@
+"""pytest-benchmark: cross-entropy from hidden states, forward + backward, side by side with torch.
+
+``python -m pytest bench/bench_ce_hidden.py --benchmark-enable`` times them; the default test
+run executes each once (``--benchmark-disable``) so the benchmarks cannot rot. Variants that
+this environment lacks (torch without ``F.linear_cross_entropy``, cut-cross-entropy not
+installed) are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import ce_hidden
+
+SHAPE = dict(n=256, h=128, v=4096, dtype="bf16", device="cpu")
+
+
+@pytest.mark.parametrize("variant", list(ce_hidden.VARIANTS))
+def test_ce_hidden_forward_backward(benchmark, variant):
+    setup, available = ce_hidden.VARIANTS[variant]
+    reason = available(SHAPE["device"])
+    if reason:
+        pytest.skip(f"{variant}: {reason}")
+    module, name = setup.split(":")
+    assert module == ce_hidden.__name__
+    step = getattr(ce_hidden, name)(**SHAPE)
+    benchmark.group = f"ce_hidden {SHAPE['n']}x{SHAPE['h']}x{SHAPE['v']} {SHAPE['dtype']}"
+    benchmark.pedantic(step, warmup_rounds=1, rounds=5, iterations=1)

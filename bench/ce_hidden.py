@@ -1,0 +1,244 @@
+"""``lce`` section: cross-entropy from hidden states, forward + backward, against torch and peers.
+
+Table 1, the hidden-state loss ``[N, H] x [V, H]`` (each variant in its own process, side by
+side in one run):
+  - ``F.linear + F.cross_entropy eager``: ``F.cross_entropy(F.linear(h, w).float(), y)``, the baseline;
+  - ``torch F.linear_cross_entropy``: with ``options=torch.nn.LinearCrossEntropyOptions()``
+    (torch's chunked path), where this torch has it;
+  - ``cut-cross-entropy torch_compile``: Apple's ``linear_cross_entropy(..., impl="torch_compile")``,
+    where the package is installed and importable (an optional peer, never a dependency);
+  - ``functional_ce.linear_cross_entropy``.
+
+Table 2, the Hugging Face loss path on a tiny random-init Llama (bf16, large vocabulary so the
+logits dominate): ``model(**batch, labels=...)`` forward + backward as shipped, with
+``model_patches.enable_chunked_loss()``, and ``model_patches.causal_lm_loss(model, **batch)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import shlex
+from typing import Any, Callable, Optional
+
+import torch
+
+from .measure import Measurement, measure
+from .report import Section, Table, ratio
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINE = "F.linear + F.cross_entropy eager"
+
+
+def _inputs(n: int, h: int, v: int, dtype: str, device: str, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=DTYPES[dtype]).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * (2.0 / h**0.5)).to(device=device, dtype=DTYPES[dtype])
+    labels = torch.randint(0, v, (n,), generator=g).to(device)
+    return hidden, weight.requires_grad_(), labels
+
+
+def _step(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    def step() -> None:
+        loss_fn().backward()
+        hidden.grad = None
+        weight.grad = None
+
+    return step
+
+
+def setup_eager(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+    hidden, weight, labels = _inputs(n, h, v, dtype, device)
+    F = torch.nn.functional
+    return _step(hidden, weight, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels))
+
+
+def setup_torch_lce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+    hidden, weight, labels = _inputs(n, h, v, dtype, device)
+    opts = torch.nn.LinearCrossEntropyOptions()
+    return _step(hidden, weight, lambda: torch.nn.functional.linear_cross_entropy(hidden, weight, labels, options=opts))
+
+
+def setup_cce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+    from cut_cross_entropy import linear_cross_entropy
+
+    hidden, weight, labels = _inputs(n, h, v, dtype, device)
+    return _step(hidden, weight, lambda: linear_cross_entropy(hidden, weight, labels, impl="torch_compile"))
+
+
+def setup_ours(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: Any = "auto",
+               **_: Any) -> Callable[[], None]:
+    import functional_ce
+
+    hidden, weight, labels = _inputs(n, h, v, dtype, device)
+    return _step(hidden, weight, lambda: functional_ce.linear_cross_entropy(
+        hidden, weight, labels, reduction="mean", chunk_size=chunk_size))
+
+
+def _torch_lce_available(device: str) -> Optional[str]:
+    F = torch.nn.functional
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"not available in torch {torch.__version__}"
+    return None
+
+
+def _cce_available(device: str) -> Optional[str]:
+    if importlib.util.find_spec("cut_cross_entropy") is None:
+        return "not installed"
+    try:
+        importlib.import_module("cut_cross_entropy")
+    except Exception as exc:  # e.g. it imports triton at module level
+        return f"not importable ({type(exc).__name__}: {exc})"[:80]
+    return None
+
+
+VARIANTS: dict[str, tuple[str, Callable[[str], Optional[str]]]] = {
+    BASELINE: ("bench.ce_hidden:setup_eager", lambda d: None),
+    "torch F.linear_cross_entropy (options)": ("bench.ce_hidden:setup_torch_lce", _torch_lce_available),
+    "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", _cce_available),
+    "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", lambda d: None),
+}
+
+
+# --- Hugging Face loss path -------------------------------------------------------------------
+
+def _tiny_llama(v: int, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=v, max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()
+
+
+def setup_hf(*, b: int, t: int, v: int, mode: str, device: str, **_: Any) -> Callable[[], None]:
+    import model_patches
+
+    model = _tiny_llama(v, device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, v, (b, t), generator=g).to(device)
+    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
+    if mode == "record":
+        model_patches.enable_chunked_loss()  # for the life of this child process
+
+    def step() -> None:
+        if mode == "hidden":
+            loss = model_patches.causal_lm_loss(model, **batch)
+        else:
+            loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+HF_VARIANTS = {
+    "model(**batch, labels) as shipped": "plain",
+    "with enable_chunked_loss()": "record",
+    "causal_lm_loss(model, **batch)": "hidden",
+}
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--lce-shape", default="1024,512,16384",
+                       help="N,H,V of hidden [N, H] and weight [V, H] (default 1024,512,16384)")
+    group.add_argument("--lce-dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--lce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
+    group.add_argument("--lce-repeats", type=int, default=1, help="timed steps per variant (median)")
+    group.add_argument("--lce-variants", default="all",
+                       help="comma-separated subset of variant names to run (default all)")
+    group.add_argument("--lce-hf", default="none",
+                       help='B,T,V of the Hugging Face loss-path table, e.g. 4,512,32000 (default "none": '
+                            'skipped, it adds about a minute)')
+
+
+def _chunk(arg: str) -> Any:
+    return None if arg.lower() == "none" else (arg if arg == "auto" else int(arg))
+
+
+def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
+    n, h, v = (int(x) for x in args.lce_shape.split(","))
+    wanted = None if args.lce_variants == "all" else {s.strip() for s in args.lce_variants.split(",")}
+    results: dict[str, Measurement] = {}
+    for name, (setup, available) in VARIANTS.items():
+        if wanted is not None and name not in wanted and name != BASELINE:
+            continue
+        tick(f"lce {name}")
+        reason = available(args.device)
+        if reason:
+            results[name] = Measurement(error=reason)
+            continue
+        kwargs = {"n": n, "h": h, "v": v, "dtype": args.lce_dtype, "chunk_size": _chunk(args.lce_chunk_size)}
+        results[name] = measure(setup, kwargs, device=args.device, repeats=args.lce_repeats)
+    base = results[BASELINE]
+    torch_lce = results.get("torch F.linear_cross_entropy (options)", Measurement())
+    rows = [
+        [name, m.ms, ratio(m.seconds, base.seconds), ratio(m.seconds, torch_lce.seconds), m.peak_mib,
+         ratio(m.peak_extra_bytes, base.peak_extra_bytes), ratio(m.peak_extra_bytes, torch_lce.peak_extra_bytes),
+         m.error or "ok"]
+        for name, m in results.items()
+    ]
+    mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of a child process"
+    cmd = "python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
+        "--lce-shape", args.lce_shape, "--lce-dtype", args.lce_dtype, "--lce-chunk-size", args.lce_chunk_size,
+        "--lce-repeats", str(args.lce_repeats), "--lce-hf", args.lce_hf, "--device", args.device])
+    table = Table(
+        title=f"cross-entropy from hidden states, forward+backward, N={n} H={h} V={v} {args.lce_dtype} on {args.device}",
+        columns=["variant", "time (ms)", "x baseline", "x torch lce", "peak extra (MiB)", "x baseline",
+                 "x torch lce", "status"],
+        rows=rows,
+        baseline=f"{BASELINE}: F.cross_entropy(F.linear(hidden, weight).float(), labels); "
+                 "'x torch lce' is against F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
+        notes=[f"peak extra memory = {mem_how} above the inputs during the step; gradients of hidden and "
+               "weight count"],
+        command=cmd,
+    )
+    return table, {"shape": [n, h, v], "results": {k: vars(m) for k, m in results.items()}}
+
+
+def _hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
+    b, t, v = (int(x) for x in args.lce_hf.split(","))
+    results = {}
+    for name, mode in HF_VARIANTS.items():
+        tick(f"lce hf {mode}")
+        results[name] = measure("bench.ce_hidden:setup_hf", {"b": b, "t": t, "v": v, "mode": mode},
+                                device=args.device, repeats=args.lce_repeats)
+    base = results["model(**batch, labels) as shipped"]
+    fp32_copy_mib = b * t * v * 4 / 2**20
+    rows = []
+    for name, m in results.items():
+        drop = None if m.peak_extra_bytes is None or base.peak_extra_bytes is None else \
+            (base.peak_extra_bytes - m.peak_extra_bytes) / 2**20
+        rows.append([name, m.ms, ratio(m.seconds, base.seconds), m.peak_mib, drop,
+                     None if drop is None else drop / fp32_copy_mib, m.error or "ok"])
+    table = Table(
+        title=f"Hugging Face loss step, tiny Llama (H=64, 2 layers) bf16, batch {b}x{t}, V={v}, on {args.device}",
+        columns=["variant", "time (ms)", "x shipped", "peak extra (MiB)", "drop (MiB)", "drop / fp32 logits",
+                 "status"],
+        rows=rows,
+        baseline=f"model(**batch, labels=...).loss.backward() with Transformers' ForCausalLMLoss; "
+                 f"one fp32 copy of the logits is {fp32_copy_mib:.0f} MiB",
+        notes=["loss and gradients of the three variants are asserted equal in tests/test_hf_loss_record.py "
+               "and tests/test_hf_causal_lm_loss.py"],
+        command="python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
+            "--lce-hf", args.lce_hf, "--lce-repeats", str(args.lce_repeats), "--device", args.device]),
+    )
+    return table, {"hf_shape": [b, t, v], "hf_results": {k: vars(m) for k, m in results.items()}}
+
+
+def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    table, data = _lce_table(args, tick)
+    tables = [table]
+    if args.lce_hf.lower() != "none":
+        if importlib.util.find_spec("transformers") is None:
+            tables.append(Table(title="Hugging Face loss step", columns=["status"], rows=[["transformers not installed"]],
+                                command="python -m bench --only lce"))
+        else:
+            hf_table, hf_data = _hf_table(args, tick)
+            tables.append(hf_table)
+            data.update(hf_data)
+    data.update(dtype=args.lce_dtype, device=args.device)
+    return Section(name="functional_ce: cross-entropy from hidden states", tables=tables, data=data)
