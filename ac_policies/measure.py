@@ -118,7 +118,8 @@ def recompute_flops(
     for m in model.modules():
         if id(m) in subtree:
             hooks.append(m.register_forward_pre_hook(enter))
-            hooks.append(m.register_forward_hook(leave))
+            # always_call: checkpoint's early stop ends a recompute by raising inside a module
+            hooks.append(m.register_forward_hook(leave, always_call=True))
     try:
         loss = forward()
         with mode:  # only backward runs under the mode: forward is never counted

@@ -149,7 +149,7 @@ def test_non_moe_no_attn_leaves_softmax_attention_alone(family):
         assert bwd[name] == int(rerun), (name, bwd[name])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_recompute_flops_per_preset(family):
     """FLOPs rerun in backward: none under `none`, none inside MoE blocks under `non_moe`.
 
@@ -178,6 +178,21 @@ def test_recompute_flops_per_preset(family):
     assert found["none"] == (0, 0)
     assert found["full"][1] > 0 and found["full"][0] > found["full"][1]  # full reruns MoE and attention
     assert found["non_moe"][1] == 0 and found["non_moe"][0] > 0
+
+    # attribution: under `full` each mixer is rerun whole, so its recompute equals its forward FLOPs
+    s = _structure(model)
+    mixers = s["attention"] + s["linear_attention"]
+    with flop_counter() as counter, torch.no_grad():
+        step()
+    per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    mixer_forward = sum(per_module[f"{type(model).__name__}.{f}"] for f in mixers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+        with ac_policies.apply_policy(model, "full"):
+            total, mixer_recompute = recompute_flops(model, step, mixers)
+    assert mixer_recompute == mixer_forward
+    if not s["dense_mlp"]:  # every FLOP of a block is in its mixer or its MoE block
+        assert total == mixer_recompute + found["full"][1]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
