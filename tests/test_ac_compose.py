@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -59,20 +60,24 @@ def _fsdp_worker(rank: int, world: int, init_file: str) -> None:
         for g in grads.values():  # the data-parallel gradient: mean over ranks
             dist.all_reduce(g)
             g /= world
-        model = build("qwen3_moe", use_cache=False)
-        handle = ac_policies.apply_policy(model, "non_moe")  # documented order: policy, then fully_shard
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        watched = model.model.layers[0].mlp.gate
-        calls = []
-        hook = watched.register_forward_pre_hook(lambda m, a: calls.append(1))
-        model(input_ids=ids, labels=ids).loss.backward()
-        hook.remove()
-        assert len(calls) == 1, f"router ran {len(calls)} times"
-        assert {r.fqn for r in handle.plan.wrapped} == {n for n, m in model.named_modules() if "forward" in m.__dict__}
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for preset, router_calls in (("non_moe", 1), ("full", 2)):
+            model = build("qwen3_moe", use_cache=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+                handle = ac_policies.apply_policy(model, preset)  # documented order: policy, then fully_shard
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            calls = []
+            hook = model.model.layers[0].mlp.gate.register_forward_pre_hook(lambda m, a: calls.append(1))
+            model(input_ids=ids, labels=ids).loss.backward()
+            hook.remove()
+            assert len(calls) == router_calls, f"{preset}: router ran {len(calls)} times"
+            assert {r.fqn for r in handle.plan.wrapped} == {n for n, m in model.named_modules() if "forward" in m.__dict__}
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(
+                    p.grad.full_tensor(), grads[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{preset} {name}: {m}"
+                )
     finally:
         dist.destroy_process_group()
 
