@@ -17,6 +17,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma2": {"final_logit_softcapping": 5.0},
     "gemma3_text": {"final_logit_softcapping": 5.0},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gemma": {},
+    "olmo2": {},
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }
 
 

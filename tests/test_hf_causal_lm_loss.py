@@ -38,6 +38,12 @@ def test_loss_and_gradients_match_the_models_own_loss(model_type):
     _assert_same(_reference(model, batch), _ours(model, batch))
 
 
+def test_every_verified_model_type_is_tested_here():
+    from model_patches.hidden_state_loss import VERIFIED_MODEL_TYPES
+
+    assert VERIFIED_MODEL_TYPES <= set(FAMILIES), sorted(VERIFIED_MODEL_TYPES - set(FAMILIES))
+
+
 def test_gemma2_softcapping_and_tied_embeddings_are_used():
     model = tiny_model("gemma2", final_logit_softcapping=0.1)  # small enough to bite on tiny logits
     assert model.lm_head.weight is model.get_input_embeddings().weight
@@ -121,3 +127,17 @@ def test_batch_without_labels_is_refused():
     del batch["labels"]
     with pytest.raises(ValueError, match="needs labels"):
         model_patches.causal_lm_loss(model, **batch)
+
+
+def test_unverified_model_type_warns_once_and_still_matches(caplog):
+    from model_patches import hidden_state_loss
+
+    hidden_state_loss._warned_types.discard("starcoder2")
+    model = tiny_model("starcoder2")
+    batch = padded_batch()
+    with caplog.at_level("WARNING", logger="model_patches.hidden_state_loss"):
+        ours = _ours(model, batch)
+        model_patches.causal_lm_loss(model, **batch)
+    warned = [r for r in caplog.records if "starcoder2" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    _assert_same(_reference(model, batch), ours)
