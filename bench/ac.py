@@ -195,3 +195,35 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     data = {"config": cfg, "seq": args.ac_seq, "results": results,
             "sensitivity": {r[0]: {"none": r[1], "non_moe": r[2]} for r in sens}}
     return Section(name="ac: activation-checkpointing policies", tables=[table, table2], data=data)
+
+
+def plot(section: Section, out_dir) -> list:
+    """``ac_presets.png``: kept bytes and recompute FLOPs (MoE part stacked) per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = section.data["results"]
+    names = list(results)
+    kept = [results[n]["live"] / MIB for n in names]
+    moe = [results[n]["moe_flops"] / 1e9 for n in names]
+    rest = [results[n]["flops"] / 1e9 - m for n, m in zip(names, moe)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(names, kept, color="tab:blue")
+    a.axhline(0.6 * kept[names.index("none")], color="grey", ls=":", lw=1)
+    a.annotate("60% of none", (0, 0.6 * kept[names.index("none")]), fontsize=7, color="grey", va="bottom")
+    a.set_ylabel("activations kept for backward (MiB)")
+    b.bar(names, rest, label="outside MoE blocks", color="tab:orange")
+    b.bar(names, moe, bottom=rest, label="inside MoE blocks", color="tab:red")
+    b.set_ylabel("recomputed in backward (GFLOP)")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelrotation=25, labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"activation checkpointing presets, {section.data['seq']} tokens, small Qwen3-MoE", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "ac_presets.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
