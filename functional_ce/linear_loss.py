@@ -59,6 +59,22 @@ def _check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
         raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
 
 
+def _autocast_inputs(hidden: object, weight: object, bias: object) -> tuple:
+    """Under ``torch.autocast``, cast like ``F.linear`` would: hidden, weight and bias to the
+    autocast dtype. Forward and the backward recomputation then see the same low-precision
+    operands, and autograd casts the gradients back to the parameters' dtype."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return hidden, weight, bias
+    device_type = hidden.device.type
+    if device_type not in ("cpu", "cuda", "xpu") or not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        return hidden, weight, bias
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -100,10 +116,14 @@ def linear_cross_entropy(
     Returns:
         fp32 scalar for ``"sum"`` / ``"mean"``; fp32 ``[...]`` for ``"none"``.
 
+    Under ``torch.autocast``, hidden, weight and bias are first cast to the autocast dtype, as
+    ``F.linear`` would cast them; their gradients come back in their own dtype.
+
     Raises:
         TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range
         (labels outside ``[0, V)`` are checked in eager mode only, as in ``cross_entropy``).
     """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear_inputs(hidden, weight, bias)
     batch_shape = hidden.shape[:-1]
     n_classes, width = weight.shape

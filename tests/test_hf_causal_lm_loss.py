@@ -141,3 +141,17 @@ def test_unverified_model_type_warns_once_and_still_matches(caplog):
     warned = [r for r in caplog.records if "starcoder2" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     _assert_same(_reference(model, batch), ours)
+
+
+def test_fp32_model_under_bf16_autocast_matches_the_models_own_loss():
+    model = tiny_model("llama")
+    batch = padded_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = model(**batch).loss
+    ref_loss.backward()
+    ref = (ref_loss.detach(), grads(model))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model_patches.causal_lm_loss(model, chunk_size=7, **batch)
+    loss.backward()
+    # Both run the head in bf16 under autocast: equal up to bf16 rounding of the head matmuls.
+    _assert_same(ref, (loss.detach(), grads(model)), rtol=2e-2, atol=2e-4)

@@ -161,3 +161,19 @@ def test_double_backward_raises_a_clear_error():
     (gh,) = torch.autograd.grad(loss, hidden, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         gh.sum().backward()
+
+
+def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dtype():
+    case = make_linear_case(8, (3, 11), 16, 70, torch.float32, bias=True, z_loss=1e-3)
+    leaves = [t.detach().clone().requires_grad_() for t in (case.hidden, case.weight, case.bias)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = functional_ce.linear_cross_entropy(leaves[0], leaves[1], case.labels, bias=leaves[2], chunk_size=5,
+                                                 z_loss=1e-3)
+    got_grads = torch.autograd.grad(got, leaves)
+    low = [t.detach().to(torch.bfloat16).requires_grad_() for t in (case.hidden, case.weight, case.bias)]
+    want = functional_ce.linear_cross_entropy(low[0], low[1], case.labels, bias=low[2], chunk_size=5, z_loss=1e-3)
+    want_grads = torch.autograd.grad(want, low)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w.float(), rtol=0, atol=0)
