@@ -133,7 +133,8 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
     if moe_hit:
         msg = (
             f"{len(moe_hit)} MoE block(s) ({moe_hit[0]}{', ...' if len(moe_hit) > 1 else ''}) lie in a checkpointed "
-            "region: their router and experts are recomputed in backward; the 'non_moe' preset avoids this"
+            "region: their router and experts are rerun in backward (under 'selective', every op the rule's op "
+            "list does not save, routing included); the 'non_moe' preset leaves MoE blocks alone"
         )
         warnings.warn(msg, ACPolicyWarning, stacklevel=_stacklevel)
     return result

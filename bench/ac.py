@@ -21,7 +21,21 @@ from ac_policies.measure import kept_for_backward, recompute_flops
 
 from .report import Section, Table, ratio
 
-PRESETS = ["none", "full", "selective", "non_moe", "non_moe_no_attn"]
+# A table written as config data: non_moe, except that each MoE block runs under op-level
+# checkpointing that keeps every matmul output (router and expert GEMMs) and recomputes only
+# gathers, routing arithmetic and activations. Not a preset: it checkpoints the MoE block, and
+# expert code that mutates a grouped-GEMM output in place (GPT-OSS adds its bias in place) makes
+# torch's selective checkpoint raise.
+MOE_SELECTIVE_TABLE = [
+    {"match": "*", "when": "moe", "action": "selective", "ops": ["mm", "addmm", "_grouped_mm"], "on_unmatched": "error"},
+    {"match": "*", "when": {"inside": "moe"}, "action": "none"},
+    *ac_policies.PRESETS["non_moe"].to_dicts()[1:],
+]
+MOE_SELECTIVE = "table: non_moe + selective MoE"
+VARIANTS: dict[str, Any] = {
+    **{p: p for p in ("none", "full", "selective", "non_moe", "non_moe_no_attn")},
+    MOE_SELECTIVE: MOE_SELECTIVE_TABLE,
+}
 MIB = 2**20
 
 
@@ -73,10 +87,10 @@ def measure_preset(model, preset: str, ids: torch.Tensor, moe_fqns: list[str]) -
     return {"wrapped": len(handle.plan.wrapped), "live": kb.live, "saved": kb.saved, "flops": flops, "moe_flops": moe_flops}
 
 
-def _applied(model, preset: str) -> ac_policies.PolicyHandle:
+def _applied(model, variant: str) -> ac_policies.PolicyHandle:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)  # `full` warns about MoE recompute
-        return ac_policies.apply_policy(model, preset)
+        return ac_policies.apply_policy(model, VARIANTS[variant])
 
 
 def time_presets(model, ids: torch.Tensor, repeats: int, budget_s: float, tick: Callable[[str], None]) -> dict[str, list[float]]:
@@ -84,12 +98,12 @@ def time_presets(model, ids: torch.Tensor, repeats: int, budget_s: float, tick: 
 
     Rounds stop after ``repeats``, or once ``budget_s`` is spent and every preset has 2 steps.
     """
-    times: dict[str, list[float]] = {p: [] for p in PRESETS}
+    times: dict[str, list[float]] = {p: [] for p in VARIANTS}
     start = time.perf_counter()
     for r in range(repeats):
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
-        for preset in PRESETS:
+        for preset in VARIANTS:
             tick(f"ac time {preset} ({r + 1}/{repeats})")
             with _applied(model, preset):
                 model.zero_grad(set_to_none=True)
@@ -110,7 +124,7 @@ def _moe_fqns(model) -> list[str]:
 
 
 def sensitivity(args: argparse.Namespace, tick: Callable[[str], None]) -> list[list[Any]]:
-    """non_moe / none kept bytes on differently shaped MoE models (forward only)."""
+    """Kept bytes of none, non_moe and the MoE-selective table on other MoE shapes (forward only)."""
     shapes = {
         "query 8x32 = hidden (Llama/Mixtral-like)": dict(head_dim=32),
         "top-8 of 32, intermediate 96 (Qwen3-30B-A3B-like)": dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=96),
@@ -122,12 +136,13 @@ def sensitivity(args: argparse.Namespace, tick: Callable[[str], None]) -> list[l
         tick(f"ac sensitivity: {label}")
         model = build(model_config(args.ac_seq, args.ac_layers, **over), args.device)
         kept = {}
-        for preset in ("none", "non_moe"):
-            with ac_policies.apply_policy(model, preset):
+        for variant in ("none", "non_moe", MOE_SELECTIVE):
+            with _applied(model, variant):
                 loss, kb = kept_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)
-                kept[preset] = kb.live
+                kept[variant] = kb.live
                 del loss
-        rows.append([label, kept["none"] / MIB, kept["non_moe"] / MIB, ratio(kept["non_moe"], kept["none"])])
+        rows.append([label, kept["none"] / MIB, kept["non_moe"] / MIB, ratio(kept["non_moe"], kept["none"]),
+                     kept[MOE_SELECTIVE] / MIB, ratio(kept[MOE_SELECTIVE], kept["none"])])
     return rows
 
 
@@ -143,7 +158,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     ids = torch.randint(2, cfg["vocab_size"], (1, args.ac_seq), generator=torch.Generator().manual_seed(0)).to(args.device)
     moe_fqns = _moe_fqns(model)
     results = {}
-    for preset in PRESETS:  # the measured step also warms up the timed ones
+    for preset in VARIANTS:  # the measured step also warms up the timed ones
         tick(f"ac {preset}")
         results[preset] = measure_preset(model, preset, ids, moe_fqns)
     # the best step, not the median: on a CPU shared with other jobs, slow steps time the other jobs
@@ -181,19 +196,23 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
         ],
         command=_command(args),
     )
-    sens = [["the model above", base["live"] / MIB, results["non_moe"]["live"] / MIB,
-             ratio(results["non_moe"]["live"], base["live"])]] + sensitivity(args, tick)
+    live = {k: r["live"] for k, r in results.items()}
+    sens = [["the model above", live["none"] / MIB, live["non_moe"] / MIB, ratio(live["non_moe"], live["none"]),
+             live[MOE_SELECTIVE] / MIB, ratio(live[MOE_SELECTIVE], live["none"])]] + sensitivity(args, tick)
     table2 = Table(
-        title=f"non_moe: kept bytes vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
-        columns=["shape", "none (MiB)", "non_moe (MiB)", "x none"],
+        title=f"kept bytes vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
+        columns=["shape", "none (MiB)", "non_moe (MiB)", "x none", "MoE-selective table (MiB)", "x none"],
         rows=sens,
         baseline="none on the same shape",
         notes=["non_moe keeps every activation of the MoE blocks by design, so the saving shrinks as "
-               "the experts' share of activations grows (many small experts per token, or large ones)"],
+               "the experts' share of activations grows (many small experts per token, or large ones)",
+               f"MoE-selective table = {MOE_SELECTIVE!r} in the table above: it reruns no matmul inside the "
+               "MoE blocks but does rerun their gathers, routing arithmetic and activations"],
         command=_command(args),
     )
     data = {"config": cfg, "seq": args.ac_seq, "results": results,
-            "sensitivity": {r[0]: {"none": r[1], "non_moe": r[2]} for r in sens}}
+            "sensitivity": {r[0]: {"none": r[1], "non_moe": r[2], MOE_SELECTIVE: r[4]} for r in sens},
+            "moe_selective_table": MOE_SELECTIVE_TABLE}
     return Section(name="ac: activation-checkpointing policies", tables=[table, table2], data=data)
 
 

@@ -275,8 +275,41 @@ def test_moe_checkpointing_warns_once_and_non_moe_does_not():
     model = model_of("mixtral")
     with pytest.warns(ac_policies.ACPolicyWarning) as record:
         ac_policies.plan(model, "full")
-    msgs = [str(w.message) for w in record if "recomputed" in str(w.message)]
+    msgs = [str(w.message) for w in record if "rerun in backward" in str(w.message)]
     assert len(msgs) == 1 and "2 MoE block(s)" in msgs[0]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ac_policies.plan(model, "non_moe")
+
+
+MOE_SELECTIVE_TABLE = [  # the bench's "non_moe + selective MoE" table, as config data
+    {"when": "moe", "action": "selective", "ops": ["mm", "addmm", "_grouped_mm"], "on_unmatched": "error"},
+    {"when": {"inside": "moe"}, "action": "none"},
+    *ac_policies.PRESETS["non_moe"].to_dicts()[1:],
+]
+
+
+@pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
+@pytest.mark.parametrize("family", [f for f in MOE_FAMILIES if f != "gpt_oss"])
+def test_moe_selective_table_keeps_gradients_and_reruns_no_moe_matmul(family):
+    from ac_policies.measure import recompute_flops
+
+    model = model_of(family)
+    ids = batch()
+    loss0, grads0 = loss_and_grads(model, ids)
+    with ac_policies.apply_policy(model, MOE_SELECTIVE_TABLE):
+        loss1, grads1 = loss_and_grads(model, ids)
+        _, moe_flops = recompute_flops(model, lambda: model(input_ids=ids, labels=ids).loss, _structure(model)["moe"])
+    assert moe_flops == 0
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
+def test_moe_selective_table_on_gpt_oss_fails_loudly():
+    """GPT-OSS adds its expert bias into the grouped-GEMM output in place: saving it cannot work."""
+    model = model_of("gpt_oss")
+    with ac_policies.apply_policy(model, MOE_SELECTIVE_TABLE):
+        with pytest.raises(RuntimeError, match="mutated"):
+            model(input_ids=batch(), labels=batch()).loss.backward()
