@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -51,30 +51,42 @@ _EAGER: dict[str, Callable[..., None]] = {"forward": _forward_into, "backward": 
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str) -> Callable[..., None]:
-    return torch.compile(_EAGER[name], dynamic=False, fullgraph=True)
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def call_compiled(
+    fn: Callable, compile_chunks: Optional[bool], *args, row_tensors: Sequence[torch.Tensor] = (), **kwargs
+):
+    """``fn(*args, **kwargs)``, through a compiled graph when asked and possible.
+
+    ``compile_chunks``: True / False, or None to follow ``FUNCTIONAL_CE_COMPILE``.
+    ``row_tensors``: tensors whose first dim is the chunk's row count, which varies between
+    chunks (the tail) and steps: marked dynamic so one graph serves all of them. If compiling
+    fails, ``fn`` runs eagerly from then on and a warning is logged once.
+    """
+    use_compiled = compile_by_default() if compile_chunks is None else compile_chunks
+    if not use_compiled or fn.__name__ in _broken or torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    for t in row_tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    try:
+        return _compiled(fn)(*args, **kwargs)
+    except Exception as exc:  # a missing compiler, an unsupported platform, ...
+        _broken.add(fn.__name__)
+        logger.warning(
+            "functional_ce: compiling %s failed (%s: %s); using the eager function. "
+            "Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
+            fn.__name__, type(exc).__name__, (str(exc).splitlines() or [""])[0],
+        )
+        return fn(*args, **kwargs)
 
 
 def run_chunk(name: str, compile_chunks: Optional[bool], *args: torch.Tensor, opts: ChunkOptions) -> None:
-    """Run the ``"forward"`` or ``"backward"`` chunk graph, compiled when asked and possible.
+    """Run the ``"forward"`` or ``"backward"`` chunk graph of the logits form.
 
     ``forward``: ``(loss_out [c], lse_out [c], logits_chunk [c, V], labels_chunk [c])``.
     ``backward``: ``(out [c, V], logits_chunk [c, V], labels_chunk [c], lse [c], grad_rows [c])``;
     ``out`` may be ``logits_chunk`` itself (in-place gradient).
     """
-    use_compiled = compile_by_default() if compile_chunks is None else compile_chunks
-    if not use_compiled or name in _broken or torch.compiler.is_compiling():
-        return _EAGER[name](*args, opts=opts)
-    # Row count varies between chunks (the tail) and steps: one graph serves all of them.
-    for t in args:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    try:
-        return _compiled(name)(*args, opts=opts)
-    except Exception as exc:  # a missing compiler, an unsupported platform, ...
-        _broken.add(name)
-        logger.warning(
-            "functional_ce: compiling the %s chunk graph failed (%s: %s); using the eager chunk "
-            "function. Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
-            name, type(exc).__name__, (str(exc).splitlines() or [""])[0],
-        )
-        return _EAGER[name](*args, opts=opts)
+    call_compiled(_EAGER[name], compile_chunks, *args, row_tensors=args, opts=opts)

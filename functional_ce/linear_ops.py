@@ -11,51 +11,26 @@ recompilation when the token count or chunk count changes.
 
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .compiled import compile_by_default
+from .compiled import call_compiled
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
 from .options import ChunkOptions
-
-logger = logging.getLogger(__name__)
 
 _LIB = "functional_ce"
 #: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
 _PARTIAL_BYTES = 32 * 1024 * 1024
 _FUNCS = {"forward": linear_chunk_forward, "backward": linear_chunk_backward}
-_broken: set[str] = set()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(name: str) -> Callable:
-    return torch.compile(_FUNCS[name], dynamic=False, fullgraph=True)
 
 
 def _run(name: str, flag: Optional[bool], hidden_c, weight, bias, labels_c, *rows, opts: ChunkOptions):
     """Run one chunk function, compiled when asked (``flag``/environment) and possible."""
-    fn = _FUNCS[name]
-    use_compiled = compile_by_default() if flag is None else flag
-    if not use_compiled or name in _broken or torch.compiler.is_compiling():
-        return fn(hidden_c, weight, bias, labels_c, *rows, opts=opts)
-    # Only the row count varies (tail chunk, token count per step): one graph serves all.
-    for t in (hidden_c, labels_c, *rows):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    try:
-        return _compiled(name)(hidden_c, weight, bias, labels_c, *rows, opts=opts)
-    except Exception as exc:  # a missing compiler, an unsupported platform, ...
-        _broken.add(name)
-        logger.warning(
-            "functional_ce: compiling linear_chunk_%s failed (%s: %s); using the eager chunk function. "
-            "Set FUNCTIONAL_CE_COMPILE=0 to skip the attempt.",
-            name,
-            type(exc).__name__,
-            str(exc).splitlines()[0] if str(exc) else "",
-        )
-        return fn(hidden_c, weight, bias, labels_c, *rows, opts=opts)
+    return call_compiled(
+        _FUNCS[name], flag, hidden_c, weight, bias, labels_c, *rows,
+        row_tensors=(hidden_c, labels_c, *rows), opts=opts,
+    )
 
 
 def _opts(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:

@@ -73,7 +73,7 @@ def test_compiled_chunk_graphs_match_eager_chunk_maths():
         ref, g_ref = loss_and_grad(functional_ce.cross_entropy, case, chunk_size=16, compile_chunks=False)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(g.float(), g_ref.float(), rtol=0, atol=ROUNDING[torch.bfloat16])
-    assert "forward" not in compiled._broken and "backward" not in compiled._broken
+    assert not compiled._broken, f"chunk graphs fell back to eager: {compiled._broken}"
 
 
 def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
@@ -90,7 +90,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog)
     ref, g_ref = loss_and_grad(functional_ce.cross_entropy, case, compile_chunks=False)
     assert torch.equal(got, ref) and torch.equal(g, g_ref)
     assert "no compiler here" in caplog.text and "FUNCTIONAL_CE_COMPILE=0" in caplog.text
-    assert compiled._broken == {"forward", "backward"}
+    assert compiled._broken == {"_forward_into", "_backward_into"}
 
 
 def test_environment_opt_out(monkeypatch):
