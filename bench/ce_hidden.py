@@ -20,6 +20,7 @@ import argparse
 import importlib
 import importlib.util
 import shlex
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -76,6 +77,20 @@ def setup_ours(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: A
         hidden, weight, labels, reduction="mean", chunk_size=chunk_size))
 
 
+def setup_liger(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    hidden, weight, labels = _inputs(n, h, v, dtype, device)
+    fn = LigerFusedLinearCrossEntropyLoss()
+    return _step(hidden, weight, lambda: fn(weight, hidden, labels))
+
+
+def _liger_available(device: str) -> Optional[str]:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "not installed"
+    return None if device.startswith("cuda") else "CUDA only"
+
+
 def _torch_lce_available(device: str) -> Optional[str]:
     F = torch.nn.functional
     if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
@@ -97,6 +112,7 @@ VARIANTS: dict[str, tuple[str, Callable[[str], Optional[str]]]] = {
     BASELINE: ("bench.ce_hidden:setup_eager", lambda d: None),
     "torch F.linear_cross_entropy (options)": ("bench.ce_hidden:setup_torch_lce", _torch_lce_available),
     "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", _cce_available),
+    "liger fused linear CE (CUDA)": ("bench.ce_hidden:setup_liger", _liger_available),
     "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", lambda d: None),
 }
 
@@ -153,26 +169,35 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lce-hf", default="none",
                        help='B,T,V of the Hugging Face loss-path table, e.g. 4,512,32000 (default "none": '
                             'skipped, it adds about a minute)')
+    group.add_argument("--lce-sweep", default="256,512,1024,2048",
+                       help="token counts N for the --plot sweep (H, V from --lce-shape)")
 
 
 def _chunk(arg: str) -> Any:
     return None if arg.lower() == "none" else (arg if arg == "auto" else int(arg))
 
 
-def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
-    n, h, v = (int(x) for x in args.lce_shape.split(","))
+def measure_variants(n: int, h: int, v: int, args: argparse.Namespace,
+                     tick: Callable[[str], None]) -> dict[str, Measurement]:
+    """Every wanted variant at ``N=n``, each in its own process."""
     wanted = None if args.lce_variants == "all" else {s.strip() for s in args.lce_variants.split(",")}
     results: dict[str, Measurement] = {}
     for name, (setup, available) in VARIANTS.items():
         if wanted is not None and name not in wanted and name != BASELINE:
             continue
-        tick(f"lce {name}")
+        tick(f"lce {name} N={n}")
         reason = available(args.device)
         if reason:
             results[name] = Measurement(error=reason)
             continue
         kwargs = {"n": n, "h": h, "v": v, "dtype": args.lce_dtype, "chunk_size": _chunk(args.lce_chunk_size)}
         results[name] = measure(setup, kwargs, device=args.device, repeats=args.lce_repeats)
+    return results
+
+
+def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
+    n, h, v = (int(x) for x in args.lce_shape.split(","))
+    results = measure_variants(n, h, v, args, tick)
     base = results[BASELINE]
     torch_lce = results.get("torch F.linear_cross_entropy (options)", Measurement())
     rows = [
@@ -241,4 +266,20 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             tables.append(hf_table)
             data.update(hf_data)
     data.update(dtype=args.lce_dtype, device=args.device)
+    if args.plot:
+        _, h, v = data["shape"]
+        sweep = {sn: {k: vars(m) for k, m in measure_variants(sn, h, v, args, tick).items()}
+                 for sn in (int(x) for x in args.lce_sweep.split(","))}
+        data["sweep"] = {"h": h, "v": v, "by_n": sweep}
     return Section(name="functional_ce: cross-entropy from hidden states", tables=tables, data=data)
+
+
+def plot(section: Section, out_dir: Path) -> list[Path]:
+    """Peak memory and time against N, one line per variant, log axes."""
+    sweep = section.data.get("sweep")
+    if not sweep:
+        return []
+    from .plots import lines_vs_n
+
+    return lines_vs_n(sweep["by_n"], out_dir, stem="ce_hidden",
+                      title=f"cross-entropy from hidden states, H={sweep['h']}, V={sweep['v']}, {section.data['dtype']}")
