@@ -82,3 +82,12 @@ def test_flex_backward_on_cpu_is_a_torch_limit() -> None:
     q = torch.randn(1, 1, 4, 8, requires_grad=True)
     with pytest.raises(NotImplementedError, match="backward on CPU"):
         flex_attention(q, q, q)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_flash_attention_3_takes_the_same_per_document_path(family: str, batch) -> None:
+    model = _model(family).eval()
+    assert logits_gap(model, batch, "flash_attention_3") > LEAK
+    with enable_packing():
+        gap = logits_gap(model, batch, "flash_attention_3")
+    assert gap <= TOL, f"{family}/flash_attention_3: packed differs by {gap:.3g}"
