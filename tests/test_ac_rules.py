@@ -206,6 +206,7 @@ def test_moe_presets_refuse_a_dense_model():
         ac_policies.apply_policy(Toy(moe_layers=()), "non-moe-no-attn")
 
 
+@pytest.mark.filterwarnings("ignore:.*lie in a checkpointed region")
 def test_plan_warns_or_rejects_unmatched_rules_and_nesting():
     m = Toy()
     table = [Rule(when="decoder_block"), Rule(match="nothing.here")]
