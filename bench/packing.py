@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from bench.report import Section, Table
 
-DEFAULT_FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "qwen3_moe"]
+DEFAULT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe"]
 DEFAULT_BACKENDS = ["eager", "sdpa", "flash_attention_2", "flex_attention"]
 
 

@@ -28,6 +28,7 @@ _COMMON = dict(
 #: that a wrong window shows up.
 FAMILIES_UNDER_TEST: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "qwen3": ("qwen3", {"head_dim": 16}),
     "mistral": ("mistral", {"sliding_window": 4, "head_dim": 16}),
     "gemma3": ("gemma3_text", {
