@@ -245,8 +245,9 @@ def test_kv_cache_in_training_is_written_once(family):
                 torch.testing.assert_close(getattr(a, attr), getattr(b, attr))
 
 
-def test_prefilled_kv_cache_in_training_is_refused():
-    model = model_of("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_prefilled_kv_cache_in_training_is_refused(family):
+    model = model_of(family)
     with torch.no_grad():
         cache = model(input_ids=batch(s=4), use_cache=True).cache
     with ac_policies.apply_policy(model, "non_moe"):
