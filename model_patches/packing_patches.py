@@ -110,6 +110,7 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
         i_mask, i_embeds = params.index("attention_mask"), 1
         i_cache = params.index(cache_arg)
         i_and = params.index("and_mask_function")
+        i_pos = params.index("position_ids") if "position_ids" in params else None
 
         @functools.wraps(original)
         def packed_mask(*args: Any, **kwargs: Any) -> Any:
@@ -146,7 +147,12 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     return inner(b, h, q, kv) & extra(b, h, q, kv)
 
             args, kwargs = list(args), dict(kwargs)
-            for name, index, value in (("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)):
+            # position_ids only feed Transformers' own packed-sequence detection, which would remap
+            # every mask function's indices to positions (ours expects token indices): drop them.
+            replace = [("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)]
+            if i_pos is not None:
+                replace.append(("position_ids", i_pos, None))
+            for name, index, value in replace:
                 if index < len(args):
                     args[index] = value
                 else:

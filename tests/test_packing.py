@@ -91,3 +91,36 @@ def test_flash_attention_3_takes_the_same_per_document_path(family: str, batch) 
     with enable_packing():
         gap = logits_gap(model, batch, "flash_attention_3")
     assert gap <= TOL, f"{family}/flash_attention_3: packed differs by {gap:.3g}"
+
+
+def _hand_made_batch() -> dict[str, torch.Tensor]:
+    """Left padding, padding between documents, reused document ids across rows."""
+    mask = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3], [1, 1, 1, 0, 0, 2, 2, 2, 2, 2, 0, 0]])
+    positions = torch.zeros_like(mask)
+    for r in range(mask.shape[0]):
+        for i in range(mask.shape[1]):
+            same_run = i > 0 and mask[r, i] == mask[r, i - 1] and mask[r, i] != 0
+            positions[r, i] = positions[r, i - 1] + 1 if same_run else 0
+    ids = torch.randint(1, 128, mask.shape, generator=torch.Generator().manual_seed(3))
+    labels = torch.where((mask == 0) | (positions == 0), -100, ids)  # no label crosses documents
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "labels": labels}
+
+
+_PAD_CASES = [(f, b) for f in ("llama", "gemma3") for b in ("eager", "sdpa", "flash_attention_2")]
+
+
+@pytest.mark.parametrize("family, implementation", [*_PAD_CASES, ("llama", "flex_attention")])
+def test_padding_anywhere(family: str, implementation: str) -> None:
+    """Also guards against Transformers' position_ids packing detection, which (with pads at
+    position 0 and no cache) remaps mask-function indices to positions."""
+    model, batch = _model(family), _hand_made_batch()
+    with enable_packing():
+        for use_cache in (False, True):
+            gap = logits_gap(model.eval(), batch, implementation, use_cache=use_cache)
+            assert gap <= TOL, f"{family}/{implementation} use_cache={use_cache}: packed differs by {gap:.3g}"
+        if implementation == "sdpa":
+            try:
+                grad, scale = grad_gap(model.train(), batch, implementation)
+            finally:
+                model.eval()
+            assert grad <= TOL * max(1.0, scale)
