@@ -209,7 +209,8 @@ def check_model(model: torch.nn.Module) -> None:
         namespace = vars(sys.modules[name])
         builders = [namespace[n] for n in _BUILDERS if n in namespace]
         if builders:
-            (covered if all(hasattr(b, "_packing_original") for b in builders) else bad).append(name)
+            live = all(callable(getattr(b, "_packing_live", None)) and b._packing_live() for b in builders)
+            (covered if live else bad).append(name)
     if not covered:  # a model with no masking_utils builders at all builds masks its own way
         bad = bad or modules or [type(model).__module__]
     if bad:

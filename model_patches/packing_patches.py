@@ -160,6 +160,7 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
             return original(*args, **kwargs)
 
         packed_mask._packing_original = original  # type: ignore[attr-defined]
+        packed_mask._packing_live = lambda: _is_live(target, packed_mask)  # type: ignore[attr-defined]
         return packed_mask
 
     return build

@@ -121,6 +121,8 @@ def test_model_that_builds_masks_another_way_is_refused() -> None:
     assert _originals() == before  # refused without leaving patches behind
     with enable_packing(model=tiny_model("gemma3")):
         check_model(tiny_model("qwen3_moe"))
+    with pytest.raises(ValueError, match="llama"):
+        check_model(tiny_model("llama"))  # packing is off again: nothing covers it
 
 
 @pytest.fixture
