@@ -69,11 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
     except ImportError:  # the bench extra is not installed
         tqdm = None
-    bar = None if (tqdm is None or args.no_progress) else tqdm(total=0, unit="step", file=sys.stderr)
+    bar = None if (tqdm is None or args.no_progress) else tqdm(unit="step", file=sys.stderr)
 
     def tick(text: str) -> None:
         if bar is not None:
-            bar.total += 1
             bar.set_description(text[:60])
             bar.update(1)
 

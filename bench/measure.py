@@ -7,7 +7,8 @@ process warms the step up (compilation stays out of the timing), then measures:
 - time: median wall-clock seconds of ``repeats`` steps (CUDA synchronised);
 - peak extra memory: on CUDA, ``max_memory_allocated`` during the timed steps minus what was
   allocated before them; on CPU, the peak resident set (``VmHWM``, reset through
-  ``/proc/self/clear_refs``) minus the resident set before them (Linux only).
+  ``/proc/self/clear_refs``) minus the resident set before them (Linux only; glibc is told
+  to map every block of 64 KiB or more on its own, so no freed memory is silently reused).
 
 Run as ``python -m bench.measure '<json>'``; :func:`measure` does that and parses the answer.
 """
@@ -53,6 +54,10 @@ def measure(
     """Measure the variant ``setup`` (``"module:function"``) with ``kwargs`` in a fresh process."""
     spec = {"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup, "repeats": repeats}
     env = dict(os.environ)
+    # glibc: serve every block >= 64 KiB by mmap and return it on free, so the resident set
+    # sees each transient buffer (the default threshold adapts upward and would let freed
+    # warm-up memory hide later allocations).
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
     try:
         proc = subprocess.run(

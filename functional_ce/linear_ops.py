@@ -17,6 +17,7 @@ import torch
 
 from .compiled import call_compiled
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
+from .ops import refuse_double_backward
 from .options import ChunkOptions
 
 _LIB = "functional_ce"
@@ -176,18 +177,9 @@ def _backward(ctx, grad_loss, grad_lse):
 linear_ce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "functional_ce linear_cross_entropy does not support double backward (create_graph=True followed "
-        "by another backward through its gradients); use F.linear + torch.nn.functional.cross_entropy for that"
-    )
-
-
-def _save_nothing(ctx, inputs, output) -> None:
-    pass
-
-
-linear_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)
+refuse_double_backward(
+    linear_ce_backward, "linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy"
+)
 
 #: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
 IMPLEMENTATIONS = {

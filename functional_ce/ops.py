@@ -147,18 +147,22 @@ def _backward(ctx, grad_loss, grad_lse):
 chunked_ce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "functional_ce cross-entropy does not support double backward (create_graph=True followed by "
-        "another backward through the loss gradient); use torch.nn.functional.cross_entropy for that"
-    )
+def refuse_double_backward(op, what: str, instead: str) -> None:
+    """Give ``op`` (a backward operator) an autograd formula that raises a clear error."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"functional_ce {what} does not support double backward (create_graph=True followed by "
+            f"another backward through its gradients); use {instead} for that"
+        )
+
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _save_nothing(ctx, inputs, output) -> None:
-    pass
-
-
-chunked_ce_backward.register_autograd(_no_double_backward, setup_context=_save_nothing)
+refuse_double_backward(chunked_ce_backward, "cross_entropy", "torch.nn.functional.cross_entropy")
 
 #: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
 IMPLEMENTATIONS = {

@@ -60,3 +60,16 @@ def loss_and_grad(fn, case: Case, upstream_seed: int = 1, **extra: Any) -> tuple
     up = torch.rand(out.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
     (out * up.to(out.dtype)).sum().backward()
     return out.detach(), logits.grad
+
+
+def absmax(t: torch.Tensor) -> float:
+    """Largest finite magnitude of ``t`` (0 when there is none)."""
+    finite = t[torch.isfinite(t)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def worst(excess: torch.Tensor) -> float:
+    """Largest excess over the tolerance; nan (a nan where the reference is not) counts as failure."""
+    if excess.numel() == 0:
+        return float("-inf")
+    return float("inf") if bool(excess.isnan().any()) else excess.max().item()

@@ -8,20 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import functional_ce
-from tests.ce_cases import DTYPES, ROUNDING, Case, loss_and_grad, make_case
+from tests.ce_cases import DTYPES, ROUNDING, Case, absmax, loss_and_grad, make_case, worst
 from tests.reference import reference_cross_entropy
-
-
-def _absmax(t: torch.Tensor) -> float:
-    finite = t[torch.isfinite(t)]
-    return finite.abs().max().item() if finite.numel() else 0.0
-
-
-def _worst(excess: torch.Tensor) -> float:
-    """Largest excess over the tolerance; nan (a nan where the reference is not) counts as failure."""
-    if excess.numel() == 0:
-        return float("-inf")
-    return float("inf") if bool(excess.isnan().any()) else excess.max().item()
 
 
 def _check_against_truth(case: Case, chunk_size, atol_scale: float = 1.0) -> None:
@@ -32,13 +20,13 @@ def _check_against_truth(case: Case, chunk_size, atol_scale: float = 1.0) -> Non
     naive, g_naive = loss_and_grad(reference_cross_entropy, case, dtype=torch.float32)
     dtype = case.logits.dtype
     assert ours.dtype == torch.float32
-    tol = 1e-5 * (1 + _absmax(truth)) * atol_scale
-    excess = _worst((ours.double() - truth).abs() - (naive.double() - truth).abs() - tol)
+    tol = 1e-5 * (1 + absmax(truth)) * atol_scale
+    excess = worst((ours.double() - truth).abs() - (naive.double() - truth).abs() - tol)
     assert excess <= 0, f"loss exceeds the fp32 reference's error by {excess:.3g}"
     assert g_ours.dtype == dtype and g_ours.shape == case.logits.shape
     g_naive = g_naive.to(dtype).double()  # the gradient a user gets back in the input dtype
-    gtol = ROUNDING[dtype] * (1 + _absmax(g_truth)) * atol_scale
-    gexcess = _worst((g_ours.double() - g_truth).abs() - (g_naive - g_truth).abs() - gtol)
+    gtol = ROUNDING[dtype] * (1 + absmax(g_truth)) * atol_scale
+    gexcess = worst((g_ours.double() - g_truth).abs() - (g_naive - g_truth).abs() - gtol)
     assert gexcess <= 0, f"gradient exceeds the low-precision reference's error by {gexcess:.3g}"
 
 

@@ -8,19 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import functional_ce
-from tests.ce_cases import DTYPES, ROUNDING
+from tests.ce_cases import DTYPES, ROUNDING, absmax, worst
 from tests.linear_cases import LinearCase, linear_loss_and_grads, make_linear_case, reference_linear
-
-
-def _absmax(t: torch.Tensor) -> float:
-    finite = t[torch.isfinite(t)]
-    return finite.abs().max().item() if finite.numel() else 0.0
-
-
-def _worst(excess: torch.Tensor) -> float:
-    if excess.numel() == 0:
-        return float("-inf")
-    return float("inf") if bool(excess.isnan().any()) else excess.max().item()
 
 
 def _check_against_truth(case: LinearCase, chunk_size) -> None:
@@ -31,16 +20,16 @@ def _check_against_truth(case: LinearCase, chunk_size) -> None:
     naive, g_naive = linear_loss_and_grads(reference_linear, case, dtype=None)
     dtype = case.hidden.dtype
     assert ours.dtype == torch.float32
-    tol = 1e-5 * (1 + _absmax(truth))
-    excess = _worst((ours.double() - truth).abs() - (naive.double() - truth).abs() - tol)
+    tol = 1e-5 * (1 + absmax(truth))
+    excess = worst((ours.double() - truth).abs() - (naive.double() - truth).abs() - tol)
     assert excess <= 0, f"loss exceeds the naive path's error by {excess:.3g}"
     for name, g, gt, gn, leaf in zip(("hidden", "weight", "bias"), g_ours, g_truth, g_naive,
                                      (case.hidden, case.weight, case.bias)):
         if leaf is None:
             continue
         assert g.dtype == dtype and g.shape == leaf.shape, f"grad {name}: {g.dtype} {tuple(g.shape)}"
-        gtol = ROUNDING[dtype] * (1 + _absmax(gt))
-        gexcess = _worst((g.double() - gt).abs() - (gn.double() - gt).abs() - gtol)
+        gtol = ROUNDING[dtype] * (1 + absmax(gt))
+        gexcess = worst((g.double() - gt).abs() - (gn.double() - gt).abs() - gtol)
         assert gexcess <= 0, f"grad {name} exceeds the naive path's error by {gexcess:.3g}"
 
 
@@ -89,7 +78,7 @@ def test_result_does_not_depend_on_chunk_size(seed, n, dtype, chunks):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for name, x, y in zip(("hidden", "weight", "bias"), ga, gb):
         # Per-row gradients are chunk-local; weight/bias sums only regroup fp32 partials.
-        tol = 1e-5 if dtype == torch.float32 else ROUNDING[dtype] * (1 + _absmax(y.float()))
+        tol = 1e-5 if dtype == torch.float32 else ROUNDING[dtype] * (1 + absmax(y.float()))
         torch.testing.assert_close(x.float(), y.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=tol,
                                    msg=lambda m: f"grad {name}: {m}")
 
