@@ -31,6 +31,11 @@ def compile_by_default() -> bool:
     return os.environ.get("FUNCTIONAL_CE_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def compile_flag(compile_chunks: int) -> Optional[bool]:
+    """Operator-argument form of ``compile_chunks``: -1 follows the environment, 0 eager, 1 compiled."""
+    return None if compile_chunks < 0 else bool(compile_chunks)
+
+
 def _forward_into(
     loss_out: torch.Tensor, lse_out: torch.Tensor, logits_chunk: torch.Tensor, labels_chunk: torch.Tensor,
     *, opts: ChunkOptions,

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from .compiled import call_compiled
+from .compiled import call_compiled, compile_flag
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
 from .ops import refuse_double_backward
-from .options import ChunkOptions
+from .options import ChunkOptions, options_from_op_args
 
 _LIB = "functional_ce"
 #: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
@@ -34,15 +34,6 @@ def _run(name: str, flag: Optional[bool], hidden_c, weight, bias, labels_c, *row
     )
 
 
-def _opts(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
-    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
-
-
-def _flag(compile_chunks: int) -> Optional[bool]:
-    # -1: follow FUNCTIONAL_CE_COMPILE, 0: eager, 1: compiled.
-    return None if compile_chunks < 0 else bool(compile_chunks)
-
-
 def _linear_ce_forward_impl(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -56,8 +47,8 @@ def _linear_ce_forward_impl(
     compile_chunks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V]?``, ``labels [N]`` -> fp32 ``(loss_rows, lse)`` ``[N]``."""
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
-    flag = _flag(compile_chunks)
+    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
+    flag = compile_flag(compile_chunks)
     n = hidden.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -112,8 +103,8 @@ def _linear_ce_backward_impl(
     Returns ``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])`` in the input dtypes; a
     gradient that was not asked for comes back as an empty ``[0]`` tensor.
     """
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
-    flag = _flag(compile_chunks)
+    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
+    flag = compile_flag(compile_chunks)
     n = hidden.shape[0]
     dev = hidden.device
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)

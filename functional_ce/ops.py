@@ -11,19 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .compiled import run_chunk
-from .options import ChunkOptions
+from .compiled import compile_flag, run_chunk
+from .options import options_from_op_args
 
 _LIB = "functional_ce"
-
-
-def _opts(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
-    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
-
-
-def _compile_flag(compile_chunks: int):
-    # -1: follow FUNCTIONAL_CE_COMPILE, 0: eager, 1: compiled.
-    return None if compile_chunks < 0 else bool(compile_chunks)
 
 
 def _chunked_ce_forward_impl(
@@ -38,11 +29,11 @@ def _chunked_ce_forward_impl(
     inplace_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [N, V]``, ``labels [N]`` -> ``(loss_rows fp32 [N], lse fp32 [N])``."""
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
+    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    flag = _compile_flag(compile_chunks)
+    flag = compile_flag(compile_chunks)
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
         run_chunk("forward", flag, loss[rows], lse[rows], logits[rows], labels[rows], opts=opts)
@@ -84,8 +75,8 @@ def _chunked_ce_backward_impl(
 ) -> torch.Tensor:
     """Gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits``, a new ``[N, V]`` tensor."""
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
-    _backward_loop(grad, grad_rows, logits, labels, lse, opts, chunk_size, _compile_flag(compile_chunks))
+    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
+    _backward_loop(grad, grad_rows, logits, labels, lse, opts, chunk_size, compile_flag(compile_chunks))
     return grad
 
 
@@ -110,8 +101,8 @@ def _chunked_ce_backward_inplace_impl(
     compile_chunks: int,
 ) -> None:
     """As :func:`chunked_ce_backward`, but overwrites ``logits`` with the gradient, chunk by chunk."""
-    opts = _opts(ignore_index, label_smoothing, z_loss, softcap)
-    _backward_loop(logits, grad_rows, logits, labels, lse, opts, chunk_size, _compile_flag(compile_chunks))
+    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
+    _backward_loop(logits, grad_rows, logits, labels, lse, opts, chunk_size, compile_flag(compile_chunks))
 
 
 chunked_ce_backward_ = torch.library.custom_op(

@@ -55,6 +55,11 @@ class ChunkOptions:
         object.__setattr__(self, "z_loss", z)
 
 
+def options_from_op_args(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
+    """Rebuild :class:`ChunkOptions` from an operator's scalar arguments (``softcap`` 0 = none)."""
+    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
+
+
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
