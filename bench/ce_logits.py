@@ -44,7 +44,7 @@ def setup_torch(*, n: int, v: int, dtype: str, device: str, compiled: bool = Fal
     logits, labels = _inputs(n, v, dtype, device)
 
     def loss(x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(x.float(), labels, reduction="sum")
+        return torch.nn.functional.cross_entropy(x.float(), labels)
 
     return _step(logits, torch.compile(loss) if compiled else loss)
 

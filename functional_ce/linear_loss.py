@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from . import linear_ops
-from .loss import reduce_rows
-from .options import (
-    AUTO_CHUNK_BYTES,
-    ChunkOptions,
-    ChunkSize,
-    Reduction,
-    check_float,
-    check_label_range,
-    check_labels,
-    check_reduction,
-    check_token_tensor,
-    resolve_chunk_size,
-)
+from .options import ChunkSize, Reduction, check_float
+from .shell import Count, check_compile_chunks, plan_loss, reduce_rows
 
 #: ``chunk_size="auto"`` bounds one fp32 chunk of logits to this many bytes. Smaller than the
 #: logits form's budget: here the chunk is the only vocabulary-wide buffer, and the matmuls
@@ -84,8 +73,8 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
-    reduction: Reduction = "sum",
-    num_label_tokens: Union[int, float, torch.Tensor, None] = None,
+    reduction: Reduction = "mean",
+    num_label_tokens: Count = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
@@ -111,10 +100,11 @@ def linear_cross_entropy(
         chunk_size: token rows per chunk. ``"auto"`` bounds one fp32 ``[c, V]`` chunk to about
             ``LINEAR_AUTO_CHUNK_BYTES``; ``None`` is one chunk; an int is rows per chunk.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
-            environment sets ``FUNCTIONAL_CE_COMPILE=0``); falls back to eager if compiling fails.
+            environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
+            only if the compiler itself fails, with a warning naming the cause.
 
     Returns:
-        fp32 scalar for ``"sum"`` / ``"mean"``; fp32 ``[...]`` for ``"none"``.
+        fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
 
     Under ``torch.autocast``, hidden, weight and bias are first cast to the autocast dtype, as
     ``F.linear`` would cast them; their gradients come back in their own dtype.
@@ -125,32 +115,15 @@ def linear_cross_entropy(
     """
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear_inputs(hidden, weight, bias)
-    batch_shape = hidden.shape[:-1]
+    check_compile_chunks(compile_chunks)
     n_classes, width = weight.shape
-    labels = check_labels(labels, batch_shape, hidden.device, "hidden")
-    check_token_tensor("mask", mask, batch_shape, hidden.device)
-    check_token_tensor("weights", weights, batch_shape, hidden.device)
-    check_reduction(reduction, num_label_tokens)
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
-    check_label_range(labels, n_classes, opts.ignore_index)
-
-    hidden2d = hidden.reshape(-1, width)
-    labels1d = labels.reshape(-1).long()
-    if mask is not None:
-        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
-    # resolve_chunk_size budgets AUTO_CHUNK_BYTES per chunk; scale the row size to get ours.
-    row_bytes = n_classes * 4 * max(1, AUTO_CHUNK_BYTES // LINEAR_AUTO_CHUNK_BYTES)
-    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], row_bytes)
-    loss_rows, _ = linear_ops.linear_ce_forward(
-        hidden2d,
-        weight,
-        bias,
-        labels1d,
-        opts.ignore_index,
-        opts.label_smoothing,
-        opts.z_loss,
-        opts.softcap or 0.0,
-        rows,
-        -1 if compile_chunks is None else int(bool(compile_chunks)),
+    plan = plan_loss(
+        labels, batch_shape=hidden.shape[:-1], n_classes=n_classes, device=hidden.device, what="hidden",
+        ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
+        num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES,
     )
-    return reduce_rows(loss_rows, labels1d, opts.ignore_index, batch_shape, weights, reduction, num_label_tokens)
+    loss_rows, _ = linear_ops.linear_ce_forward(
+        hidden.reshape(-1, width), weight, bias, plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks
+    )
+    return reduce_rows(loss_rows, plan)

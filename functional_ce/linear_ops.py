@@ -11,27 +11,22 @@ recompilation when the token count or chunk count changes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from .compiled import call_compiled, compile_flag
+from .compiled import run_chunk
+from .double_backward import refuse_double_backward
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
-from .ops import refuse_double_backward
-from .options import ChunkOptions, options_from_op_args
+from .options import ChunkOptions
 
 _LIB = "functional_ce"
 #: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
 _PARTIAL_BYTES = 32 * 1024 * 1024
-_FUNCS = {"forward": linear_chunk_forward, "backward": linear_chunk_backward}
-
-
-def _run(name: str, flag: Optional[bool], hidden_c, weight, bias, labels_c, *rows, opts: ChunkOptions):
-    """Run one chunk function, compiled when asked (``flag``/environment) and possible."""
-    return call_compiled(
-        _FUNCS[name], flag, hidden_c, weight, bias, labels_c, *rows,
-        row_tensors=(hidden_c, labels_c, *rows), opts=opts,
-    )
+#: Positions of the row-indexed tensors among the chunk functions' arguments: hidden and labels
+#: in forward, plus lse and grad_rows in backward.
+_FORWARD_ROWS = (0, 3)
+_BACKWARD_ROWS = (0, 3, 4, 5)
 
 
 def _linear_ce_forward_impl(
@@ -42,19 +37,19 @@ def _linear_ce_forward_impl(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float,
+    softcap: Optional[float],
     chunk_size: int,
-    compile_chunks: int,
+    compile_chunks: Optional[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V]?``, ``labels [N]`` -> fp32 ``(loss_rows, lse)`` ``[N]``."""
-    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
-    flag = compile_flag(compile_chunks)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     n = hidden.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
-        loss_c, lse_c = _run("forward", flag, hidden[start:stop], weight, bias, labels[start:stop], opts=opts)
+        loss_c, lse_c = run_chunk(linear_chunk_forward, compile_chunks, hidden[start:stop], weight, bias,
+                                  labels[start:stop], row_args=_FORWARD_ROWS, opts=opts)
         loss[start:stop] = loss_c
         lse[start:stop] = lse_c
     return loss, lse
@@ -91,9 +86,9 @@ def _linear_ce_backward_impl(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float,
+    softcap: Optional[float],
     chunk_size: int,
-    compile_chunks: int,
+    compile_chunks: Optional[bool],
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
@@ -103,8 +98,7 @@ def _linear_ce_backward_impl(
     Returns ``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])`` in the input dtypes; a
     gradient that was not asked for comes back as an empty ``[0]`` tensor.
     """
-    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
-    flag = compile_flag(compile_chunks)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     n = hidden.shape[0]
     dev = hidden.device
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
@@ -113,9 +107,9 @@ def _linear_ce_backward_impl(
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         h_c = hidden[start:stop]
-        gh_c, g_logits = _run(
-            "backward", flag, h_c, weight, bias, labels[start:stop], lse[start:stop], grad_rows[start:stop],
-            opts=opts,
+        gh_c, g_logits = run_chunk(
+            linear_chunk_backward, compile_chunks, h_c, weight, bias, labels[start:stop], lse[start:stop],
+            grad_rows[start:stop], row_args=_BACKWARD_ROWS, opts=opts,
         )
         if need_hidden:
             grad_h[start:stop] = gh_c
@@ -145,32 +139,36 @@ def _(grad_rows, hidden, weight, bias, labels, lse, ignore_index, label_smoothin
     return grad_h, grad_w, grad_b
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, labels, *scalars = inputs
-    ctx.scalars = scalars  # ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks = inputs
+    ctx.opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    ctx.chunk_size = chunk_size
+    ctx.compile_chunks = compile_chunks
     ctx.has_bias = bias is not None
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
 
-def _backward(ctx, grad_loss, grad_lse):
+def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    nones = (None,) * 7
-    if grad_loss is None or not (need_h or need_w or need_b):
-        return (None, None, None) + nones
     need_b = bool(need_b and ctx.has_bias)
-    gh, gw, gb = linear_ce_backward(
-        grad_loss.float(), hidden, weight, bias, labels, lse, *ctx.scalars, need_h, need_w, need_b
+    no_grads = (None,) * 7
+    if grad_loss is None or not (need_h or need_w or need_b):
+        return (None, None, None) + no_grads
+    with torch.no_grad():
+        gh, gw, gb = linear_ce_backward(
+            grad_loss.float(), hidden, weight, bias, labels, lse, *ctx.opts.op_args(), ctx.chunk_size,
+            ctx.compile_chunks, need_h, need_w, need_b,
+        )
+    grads = (gh if need_h else None, gw if need_w else None, gb if need_b else None)
+    grads = refuse_double_backward(
+        grads, (hidden, weight, bias), "linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy"
     )
-    return (gh if need_h else None, gw if need_w else None, gb if need_b else None) + nones
+    return grads + no_grads
 
 
 linear_ce_forward.register_autograd(_backward, setup_context=_setup_context)
 
-
-refuse_double_backward(
-    linear_ce_backward, "linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy"
-)
 
 #: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
 IMPLEMENTATIONS = {

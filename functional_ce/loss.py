@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from .options import (
-    ChunkOptions,
-    ChunkSize,
-    Reduction,
-    check_float,
-    check_label_range,
-    check_labels,
-    check_reduction,
-    check_token_tensor,
-    resolve_chunk_size,
-)
 from . import ops
+from .options import ChunkSize, Reduction, check_float
+from .shell import Count, check_compile_chunks, plan_loss, reduce_rows
 
 
 def cross_entropy(
@@ -28,8 +18,8 @@ def cross_entropy(
     ignore_index: int = -100,
     mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
-    reduction: Reduction = "sum",
-    num_label_tokens: Union[int, float, torch.Tensor, None] = None,
+    reduction: Reduction = "mean",
+    num_label_tokens: Count = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
@@ -50,10 +40,14 @@ def cross_entropy(
         ignore_index: label value that contributes no loss and gets zero gradient.
         mask: ``[...]`` bool or 0/1; positions where it is zero are ignored like ``ignore_index``.
         weights: ``[...]`` float per-token loss multipliers (applied after the per-token loss).
-        reduction: ``"sum"``; ``"mean"``, the weighted sum divided by the number of valid tokens
-            (0 when there are none); ``"none"``, fp32 ``[...]`` per token, 0 where ignored.
-        num_label_tokens: divide the summed loss by this count (gradient accumulation, data
-            parallel); 0 gives loss 0 and zero gradients. Needs ``reduction="sum"``.
+        reduction: ``"mean"`` (default, as in torch), the weighted sum divided by the number of
+            valid tokens (0 when there are none); ``"sum"``; ``"none"``, fp32 ``[...]`` per
+            token, 0 where ignored.
+        num_label_tokens: the denominator of the summed loss, with ``"mean"`` (replacing the
+            valid-token count: gradient accumulation, data parallel) or ``"sum"`` (the
+            sum-then-divide form); 0 gives loss 0 and zero gradients. A finite number >= 0, or a
+            one-element tensor: its value is checked in eager mode (a device read-back) and not
+            under torch.compile. Not allowed with ``"none"``.
         label_smoothing: in [0, 1], the definition of ``torch.nn.functional.cross_entropy``:
             ``(1 - eps) * nll + eps * mean_j(-log p_j)``. A ``-inf`` logit makes that term
             infinite, exactly as in torch.
@@ -66,12 +60,14 @@ def cross_entropy(
             are destroyed in backward**: do not read them afterwards, and do not use this when
             another autograd node saved them (autograd then raises a version error). Inside
             ``torch.compile`` it is ignored: the compiled backward allocates the
-            gradient either way, so the logits are left intact.
+            gradient either way, so the logits are left intact. Double backward raises, as it
+            does without it.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
-            environment sets ``FUNCTIONAL_CE_COMPILE=0``); falls back to eager if compiling fails.
+            environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
+            only if the compiler itself fails, with a warning naming the cause.
 
     Returns:
-        fp32 scalar for ``"sum"`` / ``"mean"``; fp32 ``[...]`` for ``"none"``.
+        fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
 
     Raises:
         TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range. Labels
@@ -81,66 +77,24 @@ def cross_entropy(
     logits = check_float("logits", logits)
     if logits.dim() < 1:
         raise ValueError("logits must have at least one dim [..., V], got a 0-dim tensor")
-    batch_shape = logits.shape[:-1]
     n_classes = logits.shape[-1]
-    labels = check_labels(labels, batch_shape, logits.device, "logits")
-    check_token_tensor("mask", mask, batch_shape, logits.device)
-    check_token_tensor("weights", weights, batch_shape, logits.device)
-    check_reduction(reduction, num_label_tokens)
-    if not isinstance(inplace_grad, bool):
-        raise TypeError(f"inplace_grad must be a bool, got {inplace_grad!r}")
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     if n_classes == 0:
         raise ValueError("logits must have at least one class (last dim V >= 1), got V=0")
-    check_label_range(labels, n_classes, opts.ignore_index)
-
-    logits2d = logits.reshape(-1, n_classes)
-    labels1d = labels.reshape(-1).long()
-    if mask is not None:
-        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
-    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], n_classes * 4)
+    if not isinstance(inplace_grad, bool):
+        raise TypeError(f"inplace_grad must be a bool, got {inplace_grad!r}")
+    check_compile_chunks(compile_chunks)
+    plan = plan_loss(
+        labels, batch_shape=logits.shape[:-1], n_classes=n_classes, device=logits.device, what="logits",
+        ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
+        num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+        chunk_size=chunk_size,
+    )
     if inplace_grad and torch.compiler.is_compiling():
         # Functionalization would clone the logits and still destroy them: keep them instead
         # (documented; dynamo cannot trace a logging call here without a graph break).
         inplace_grad = False
     loss_rows, _ = ops.chunked_ce_forward(
-        logits2d,
-        labels1d,
-        opts.ignore_index,
-        opts.label_smoothing,
-        opts.z_loss,
-        opts.softcap or 0.0,
-        rows,
-        -1 if compile_chunks is None else int(bool(compile_chunks)),
+        logits.reshape(-1, n_classes), plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks,
         inplace_grad,
     )
-    return reduce_rows(loss_rows, labels1d, opts.ignore_index, batch_shape, weights, reduction, num_label_tokens)
-
-
-def reduce_rows(
-    loss_rows: torch.Tensor,
-    labels1d: torch.Tensor,
-    ignore_index: int,
-    batch_shape: torch.Size,
-    weights: Optional[torch.Tensor],
-    reduction: str,
-    num_label_tokens: Union[int, float, torch.Tensor, None],
-) -> torch.Tensor:
-    """Weights, then the reduction, over fp32 per-row losses ``[N]`` (0 on ignored rows)."""
-    if weights is not None:
-        loss_rows = loss_rows * weights.reshape(-1).float()
-    if reduction == "none":
-        return loss_rows.reshape(batch_shape)
-    total = loss_rows.sum()
-    if reduction == "mean":
-        n_valid = (labels1d != ignore_index).sum()
-        return total / n_valid.clamp(min=1).float()
-    if num_label_tokens is None:
-        return total
-    if isinstance(num_label_tokens, torch.Tensor):
-        n = num_label_tokens.reshape(()).to(device=total.device, dtype=torch.float32)
-        return torch.where(n > 0, total / torch.where(n > 0, n, 1.0), 0.0)
-    if num_label_tokens == 0:
-        return total * 0.0
-    assert isinstance(num_label_tokens, numbers.Real)
-    return total / float(num_label_tokens)
+    return reduce_rows(loss_rows, plan)

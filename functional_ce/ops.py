@@ -1,18 +1,23 @@
-"""Custom operators that run the chunk loop: opaque to torch.compile, with autograd registered.
+"""Custom operators that run the chunk loop of the logits form: opaque to torch.compile, with
+autograd registered.
 
 ``chunked_ce_forward`` saves only the caller's logits (no copy), the labels and the fp32 row
-``logsumexp``; backward recomputes the softmax one fp32 chunk at a time. Because the loop lives
-inside an operator with a fake kernel, a user's ``torch.compile(fullgraph=True)`` sees one node
-whose output shapes follow the token count symbolically: no graph break and no recompilation
-per chunk count.
+``logsumexp``; ``chunked_ce_backward_into`` recomputes the softmax one fp32 chunk at a time and
+writes the gradient into a buffer it is given: a new gradient tensor, or the logits themselves
+(``inplace_grad``). Because the loop lives inside operators with fake kernels, a user's
+``torch.compile(fullgraph=True)`` sees one node per direction whose output shapes follow the
+token count symbolically: no graph break and no recompilation per chunk count.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
-from .compiled import compile_flag, run_chunk
-from .options import options_from_op_args
+from .compiled import backward_into, forward_into, run_chunk
+from .double_backward import refuse_double_backward
+from .options import ChunkOptions
 
 _LIB = "functional_ce"
 
@@ -23,20 +28,23 @@ def _chunked_ce_forward_impl(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    softcap: float,
+    softcap: Optional[float],
     chunk_size: int,
-    compile_chunks: int,
+    compile_chunks: Optional[bool],
     inplace_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [N, V]``, ``labels [N]`` -> ``(loss_rows fp32 [N], lse fp32 [N])``."""
-    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
+    """``logits [N, V]``, ``labels [N]`` -> ``(loss_rows fp32 [N], lse fp32 [N])``.
+
+    ``inplace_grad`` only tells the backward formula where to write the gradient.
+    """
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-    flag = compile_flag(compile_chunks)
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
-        run_chunk("forward", flag, loss[rows], lse[rows], logits[rows], labels[rows], opts=opts)
+        run_chunk(forward_into, compile_chunks, loss[rows], lse[rows], logits[rows], labels[rows],
+                  row_args=(0, 1, 2, 3), opts=opts)
     return loss, lse
 
 
@@ -46,118 +54,75 @@ chunked_ce_forward = torch.library.custom_op(f"{_LIB}::chunked_ce_forward", _chu
 @chunked_ce_forward.register_fake
 def _(logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace_grad):
     n = logits.shape[0]
-    return (
-        logits.new_empty(n, dtype=torch.float32),
-        logits.new_empty(n, dtype=torch.float32),
-    )
+    return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
-def _backward_loop(out, grad_rows, logits, labels, lse, opts, chunk_size, flag) -> None:
+def _chunked_ce_backward_into_impl(
+    grad_rows: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    out: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    chunk_size: int,
+    compile_chunks: Optional[bool],
+) -> None:
+    """Write the gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits`` into ``out`` ``[N, V]``.
+
+    ``out`` is a buffer of the logits' shape and dtype, or ``logits`` itself: each chunk's
+    gradient is computed from the chunk's logits and then stored over them.
+    """
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     n = logits.shape[0]
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
         chunk = logits[rows]
         target = chunk if out is logits else out[rows]  # one view when writing in place
-        run_chunk("backward", flag, target, chunk, labels[rows], lse[rows], grad_rows[rows], opts=opts)
+        run_chunk(backward_into, compile_chunks, target, chunk, labels[rows], lse[rows], grad_rows[rows],
+                  row_args=(0, 1, 2, 3, 4), opts=opts)
 
 
-def _chunked_ce_backward_impl(
-    grad_rows: torch.Tensor,
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    chunk_size: int,
-    compile_chunks: int,
-) -> torch.Tensor:
-    """Gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits``, a new ``[N, V]`` tensor."""
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
-    _backward_loop(grad, grad_rows, logits, labels, lse, opts, chunk_size, compile_flag(compile_chunks))
-    return grad
-
-
-chunked_ce_backward = torch.library.custom_op(f"{_LIB}::chunked_ce_backward", _chunked_ce_backward_impl, mutates_args=())
-
-
-@chunked_ce_backward.register_fake
-def _(grad_rows, logits, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _chunked_ce_backward_inplace_impl(
-    grad_rows: torch.Tensor,
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    chunk_size: int,
-    compile_chunks: int,
-) -> None:
-    """As :func:`chunked_ce_backward`, but overwrites ``logits`` with the gradient, chunk by chunk."""
-    opts = options_from_op_args(ignore_index, label_smoothing, z_loss, softcap)
-    _backward_loop(logits, grad_rows, logits, labels, lse, opts, chunk_size, compile_flag(compile_chunks))
-
-
-chunked_ce_backward_ = torch.library.custom_op(
-    f"{_LIB}::chunked_ce_backward_", _chunked_ce_backward_inplace_impl, mutates_args=("logits",)
+chunked_ce_backward_into = torch.library.custom_op(
+    f"{_LIB}::chunked_ce_backward_into", _chunked_ce_backward_into_impl, mutates_args=("out",)
 )
 
 
-@chunked_ce_backward_.register_fake
-def _(grad_rows, logits, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
+@chunked_ce_backward_into.register_fake
+def _(grad_rows, logits, labels, lse, out, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
+      compile_chunks):
     return None
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    logits, labels, *scalars = inputs
-    ctx.scalars = scalars  # ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace = inputs
+    ctx.opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    ctx.chunk_size = chunk_size
+    ctx.compile_chunks = compile_chunks
+    ctx.inplace_grad = inplace
     ctx.save_for_backward(logits, labels, output[1])
 
 
-def _backward(ctx, grad_loss, grad_lse):
+def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
     logits, labels, lse = ctx.saved_tensors
-    *args, inplace_grad = ctx.scalars
+    no_grads = (None,) * 8
     if grad_loss is None or not ctx.needs_input_grad[0]:
-        return (None,) * 9
-    grad_loss = grad_loss.float()
-    if inplace_grad:
-        chunked_ce_backward_(grad_loss, logits, labels, lse, *args)
-        grad = logits
-    else:
-        grad = chunked_ce_backward(grad_loss, logits, labels, lse, *args)
-    return (grad,) + (None,) * 8
+        return (None,) + no_grads
+    with torch.no_grad():
+        out = logits if ctx.inplace_grad else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        chunked_ce_backward_into(
+            grad_loss.float(), logits, labels, lse, out, *ctx.opts.op_args(), ctx.chunk_size, ctx.compile_chunks
+        )
+    (grad,) = refuse_double_backward((out,), (logits,), "cross_entropy", "torch.nn.functional.cross_entropy")
+    return (grad,) + no_grads
 
 
 chunked_ce_forward.register_autograd(_backward, setup_context=_setup_context)
 
-
-def refuse_double_backward(op, what: str, instead: str) -> None:
-    """Give ``op`` (a backward operator) an autograd formula that raises a clear error."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"functional_ce {what} does not support double backward (create_graph=True followed by "
-            f"another backward through its gradients); use {instead} for that"
-        )
-
-    def setup_context(ctx, inputs, output) -> None:
-        pass
-
-    op.register_autograd(backward, setup_context=setup_context)
-
-
-refuse_double_backward(chunked_ce_backward, "cross_entropy", "torch.nn.functional.cross_entropy")
-
 #: Operator name -> its Python implementation (lets tests trace allocations inside the loop).
 IMPLEMENTATIONS = {
     f"{_LIB}::chunked_ce_forward": _chunked_ce_forward_impl,
-    f"{_LIB}::chunked_ce_backward": _chunked_ce_backward_impl,
-    f"{_LIB}::chunked_ce_backward_": _chunked_ce_backward_inplace_impl,
+    f"{_LIB}::chunked_ce_backward_into": _chunked_ce_backward_into_impl,
 }

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Literal, Optional, Union
 
 import torch
 
 ChunkSize = Union[int, Literal["auto"], None]
-Reduction = Literal["sum", "mean", "none"]
+Reduction = Literal["mean", "sum", "none"]
 
 #: Bytes that one fp32 chunk of logits may take when ``chunk_size="auto"``.
 AUTO_CHUNK_BYTES = 256 * 1024 * 1024
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_REDUCTIONS = ("sum", "mean", "none")
+_REDUCTIONS = ("mean", "sum", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,8 @@ class ChunkOptions:
     """What the per-chunk maths depends on, besides tensors.
 
     Frozen and hashable so that a compiled chunk graph specialises on it and on nothing else.
+    The fields, in order, are also the custom operators' option arguments: :meth:`op_args`
+    gives them, and ``ChunkOptions(*args)`` turns them back into options.
 
     Attributes:
         ignore_index: label value whose rows contribute no loss and get zero gradient.
@@ -43,21 +46,20 @@ class ChunkOptions:
         if not 0.0 <= ls <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
         z = _real("z_loss", self.z_loss)
-        if not z >= 0.0:
-            raise ValueError(f"z_loss must be >= 0, got {self.z_loss!r}")
+        if not 0.0 <= z < math.inf:
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss!r}")
         if self.softcap is not None:
             cap = _real("softcap", self.softcap)
-            if not cap > 0.0:
-                raise ValueError(f"softcap must be None or > 0, got {self.softcap!r}")
+            if not 0.0 < cap < math.inf:
+                raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
             object.__setattr__(self, "softcap", cap)
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
         object.__setattr__(self, "label_smoothing", ls)
         object.__setattr__(self, "z_loss", z)
 
-
-def options_from_op_args(ignore_index: int, label_smoothing: float, z_loss: float, softcap: float) -> ChunkOptions:
-    """Rebuild :class:`ChunkOptions` from an operator's scalar arguments (``softcap`` 0 = none)."""
-    return ChunkOptions(ignore_index, label_smoothing, z_loss, softcap if softcap > 0.0 else None)
+    def op_args(self) -> tuple[int, float, float, Optional[float]]:
+        """``(ignore_index, label_smoothing, z_loss, softcap)``, as the custom operators take them."""
+        return (self.ignore_index, self.label_smoothing, self.z_loss, self.softcap)
 
 
 def _real(name: str, value: object) -> float:
@@ -66,44 +68,68 @@ def _real(name: str, value: object) -> float:
     return float(value)
 
 
-def resolve_chunk_size(chunk_size: ChunkSize, n_rows: int, row_bytes: int) -> int:
+def check_chunk_size(chunk_size: object) -> None:
+    """``chunk_size`` must be a positive int, ``"auto"`` or None."""
+    if chunk_size == "auto" or chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size}')
+
+
+def resolve_chunk_size(
+    chunk_size: ChunkSize, n_rows: int, row_bytes: int, auto_bytes: Optional[int] = None
+) -> int:
     """Rows per chunk for ``n_rows`` rows whose fp32 form takes ``row_bytes`` bytes each.
 
-    ``"auto"`` bounds one fp32 chunk to about ``AUTO_CHUNK_BYTES``; ``None`` is one chunk.
+    ``"auto"`` bounds one fp32 chunk to about ``auto_bytes`` (default ``AUTO_CHUNK_BYTES``);
+    ``None`` is one chunk.
     """
+    check_chunk_size(chunk_size)
     if chunk_size == "auto":
-        rows = max(1, AUTO_CHUNK_BYTES // max(1, row_bytes))
+        budget = AUTO_CHUNK_BYTES if auto_bytes is None else auto_bytes
+        rows = max(1, budget // max(1, row_bytes))
         if rows >= 64:
             rows -= rows % 32  # aligned chunks vectorise better
     elif chunk_size is None:
         rows = n_rows
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
-    elif chunk_size <= 0:
-        raise ValueError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size}')
     else:
         rows = int(chunk_size)
     return max(1, min(rows, n_rows))
 
 
-def check_reduction(reduction: str, num_label_tokens: object) -> None:
+def check_reduction(reduction: object, num_label_tokens: object) -> None:
+    """``reduction`` is one of ``"mean"``, ``"sum"``, ``"none"``; ``num_label_tokens`` a count.
+
+    ``num_label_tokens`` needs a scalar reduction and must be a finite number >= 0: a Python
+    number, or a one-element tensor whose value is checked in eager mode only (that reads it
+    back from the device; under torch.compile it is not checked).
+    """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if num_label_tokens is None:
         return
-    if reduction != "sum":
+    if reduction == "none":
         raise ValueError(
-            f'num_label_tokens divides a summed loss and needs reduction="sum", got reduction={reduction!r}'
+            'num_label_tokens divides a summed loss and needs reduction="mean" or "sum", got reduction="none"'
         )
     if isinstance(num_label_tokens, torch.Tensor):
         if num_label_tokens.numel() != 1:
             raise ValueError(
                 f"num_label_tokens must be a scalar, got a tensor of shape {tuple(num_label_tokens.shape)}"
             )
+        if num_label_tokens.dtype == torch.bool or num_label_tokens.is_complex():
+            raise TypeError(f"num_label_tokens must be a real number tensor, got {num_label_tokens.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        value = float(num_label_tokens.detach().reshape(()).item())
     elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
         raise TypeError(f"num_label_tokens must be a number or a scalar tensor, got {num_label_tokens!r}")
-    elif num_label_tokens < 0:
-        raise ValueError(f"num_label_tokens must be >= 0, got {num_label_tokens}")
+    else:
+        value = float(num_label_tokens)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"num_label_tokens must be a finite count >= 0, got {value!r}")
 
 
 def check_float(name: str, t: object) -> torch.Tensor:

@@ -11,6 +11,18 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Worst-case absolute error of one rounding of a value of magnitude ~1, per dtype.
 ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
+#: The two ways an eager call runs the chunk maths: inductor-compiled chunk graphs (what users
+#: get by default) and the eager functions. Tests take ``compile_chunks=PATHS[path]``.
+PATHS = {"compiled": True, "eager": False}
+
+#: A compiled chunk graph specialises on the vocabulary, the dtype and the options, and each
+#: first compile costs seconds on a CPU. Property tests of the compiled path therefore draw
+#: from this vocabulary and these option sets only (every option is on in the second), and
+#: vary everything the graphs are generic over: token shapes, chunk sizes, labels, masks,
+#: weights, reductions.
+COMPILED_V = 67
+COMPILED_OPTIONS = ({}, {"ignore_index": 3, "label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0})
+
 
 @dataclasses.dataclass
 class Case:

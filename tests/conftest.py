@@ -15,8 +15,6 @@ from hypothesis import HealthCheck, settings
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "lean-llm-train-inductor")
 )
-# Property tests exercise the maths eagerly; compiled chunk graphs are tested explicitly.
-os.environ.setdefault("FUNCTIONAL_CE_COMPILE", "0")
 
 _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("dev", max_examples=20, deadline=None, suppress_health_check=_slow_ok)

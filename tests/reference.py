@@ -14,7 +14,7 @@ def reference_cross_entropy(
     ignore_index: int = -100,
     mask: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
-    reduction: str = "sum",
+    reduction: str = "mean",
     num_label_tokens=None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
@@ -46,9 +46,9 @@ def reference_cross_entropy(
     if reduction == "none":
         return per_token.reshape(labels.shape)
     total = per_token.sum()
-    if reduction == "mean":
-        return total / max(int(valid.sum()), 1)
     if num_label_tokens is not None:
         n = float(num_label_tokens)
         return total / n if n > 0 else total * 0
+    if reduction == "mean":
+        return total / max(int(valid.sum()), 1)
     return total

@@ -8,6 +8,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import functional_ce
 from tests.alloc_trace import AllocationTrace
+from tests.ce_cases import PATHS
+from tests.rss_peak import peak_extra_bytes
 
 N, V, CHUNK = 64, 1000, 16
 
@@ -31,7 +33,7 @@ def test_autograd_saves_the_callers_logits_and_only_row_statistics(kwargs):
         return t
 
     with saved_tensors_hooks(pack, lambda t: t):
-        loss = functional_ce.cross_entropy(logits, labels, chunk_size=CHUNK, **kwargs)
+        loss = functional_ce.cross_entropy(logits, labels, chunk_size=CHUNK, compile_chunks=False, **kwargs)
     big = [t for t in saved if t.numel() > N]
     assert len(big) == 1, f"expected only the logits to be saved, got shapes {[tuple(t.shape) for t in big]}"
     (logits_saved,) = big
@@ -44,6 +46,7 @@ def test_autograd_saves_the_callers_logits_and_only_row_statistics(kwargs):
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_forward_and_backward_allocate_at_most_chunk_sized_fp32_and_one_gradient(inplace):
+    """Every allocation of the eager chunk maths, opened up operator by operator."""
     logits, labels = _inputs()
     with AllocationTrace() as fwd:
         loss = functional_ce.cross_entropy(
@@ -75,3 +78,49 @@ def test_the_trace_sees_a_full_fp32_copy_in_the_naive_loss():
     with AllocationTrace() as trace:
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten()).backward()
     assert any(dtype == torch.float32 for _, _, dtype in trace.with_numel(N * V))
+
+
+# Resident-memory peaks: the only way to see inside the compiled chunk graphs (a dispatch mode
+# makes dynamo fall back to eager). Sizes make one fp32 chunk (1 MiB) small next to the gradient
+# (bf16, 16 MiB) and to a full fp32 copy (32 MiB).
+RN, RV, RCHUNK = 2048, 4096, 64
+MiB = 2**20
+FP32_CHUNK = RCHUNK * RV * 4
+
+
+def _rss_inputs():
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(RN, RV, generator=g) * 3).bfloat16()
+    labels = torch.randint(0, RV, (RN,), generator=g)
+    return logits, labels
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+@pytest.mark.parametrize("path", PATHS)
+def test_peak_memory_of_forward_and_backward(path, inplace):
+    """Compiled chunk graphs hold no fp32 chunk at all; the eager chunk maths a few at most."""
+    logits, labels = _rss_inputs()
+    kw = dict(chunk_size=RCHUNK, inplace_grad=inplace, compile_chunks=PATHS[path], z_loss=1e-4)
+
+    def step(x):
+        loss = functional_ce.cross_entropy(x, labels, **kw)
+        loss.backward()
+        return loss
+
+    step(logits.clone().requires_grad_())  # compile and warm up outside the measurement
+    x = logits.clone().requires_grad_()
+    loss, fwd = peak_extra_bytes(lambda: functional_ce.cross_entropy(x, labels, **kw))
+    _, bwd = peak_extra_bytes(loss.backward)
+    grad_bytes = 0 if inplace else logits.numel() * logits.element_size()
+    chunks = 0.5 if path == "compiled" else 8  # compiled: less than one fp32 chunk, O(N) statistics aside
+    assert fwd <= chunks * FP32_CHUNK + MiB // 2, f"forward peaked {fwd / MiB:.1f} MiB"
+    assert bwd <= grad_bytes + chunks * FP32_CHUNK + MiB // 2, f"backward peaked {bwd / MiB:.1f} MiB"
+    if inplace:
+        assert x.grad.data_ptr() == x.data_ptr()
+
+
+def test_peak_memory_control_sees_the_fp32_copy_of_the_naive_loss():
+    logits, labels = _rss_inputs()
+    x = logits.clone().requires_grad_()
+    _, peak = peak_extra_bytes(lambda: torch.nn.functional.cross_entropy(x.float(), labels).backward())
+    assert peak >= RN * RV * 4, f"the measurement missed a {RN * RV * 4 / MiB:.0f} MiB fp32 copy: {peak / MiB:.1f}"

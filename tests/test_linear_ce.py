@@ -8,13 +8,15 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import functional_ce
-from tests.ce_cases import DTYPES, ROUNDING, absmax, worst
+from tests.ce_cases import COMPILED_OPTIONS, DTYPES, PATHS, ROUNDING, absmax, worst
 from tests.linear_cases import LinearCase, linear_loss_and_grads, make_linear_case, reference_linear
 
 
-def _check_against_truth(case: LinearCase, chunk_size) -> None:
+def _check_against_truth(case: LinearCase, chunk_size, compile_chunks: bool) -> None:
     """|ours - truth| <= |naive low-precision - truth| + tol for the loss and all three gradients."""
-    ours, g_ours = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunk_size)
+    ours, g_ours = linear_loss_and_grads(
+        functional_ce.linear_cross_entropy, case, chunk_size=chunk_size, compile_chunks=compile_chunks
+    )
     truth, g_truth = linear_loss_and_grads(reference_linear, case)
     # What a user gets without this library: F.linear in the input dtype, the loss in fp32.
     naive, g_naive = linear_loss_and_grads(reference_linear, case, dtype=None)
@@ -36,7 +38,7 @@ def _check_against_truth(case: LinearCase, chunk_size) -> None:
 options = st.fixed_dictionaries(
     {},
     optional={
-        "reduction": st.sampled_from(["sum", "mean", "none"]),
+        "reduction": st.sampled_from(["mean", "sum", "none"]),
         "label_smoothing": st.sampled_from([0.0, 0.1, 1.0]),
         "z_loss": st.sampled_from([0.0, 1e-3]),
         "softcap": st.sampled_from([None, 4.0, 30.0]),
@@ -57,12 +59,30 @@ options = st.fixed_dictionaries(
     chunk_size=st.sampled_from([None, 1, 5, 16, "auto"]),
     opts=options,
 )
-def test_matches_fp64_reference(seed, batch_shape, h, v, dtype, bias, chunk_size, opts):
+def test_eager_path_matches_fp64_reference(seed, batch_shape, h, v, dtype, bias, chunk_size, opts):
     opts = dict(opts)
     if opts.get("ignore_index", -100) >= v:
         opts["ignore_index"] = -100
     case = make_linear_case(seed, batch_shape, h, v, dtype, bias=bias, **opts)
-    _check_against_truth(case, chunk_size)
+    _check_against_truth(case, chunk_size, compile_chunks=False)
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch_shape=st.sampled_from([(1,), (13,), (40,), (3, 7), (2, 2, 5)]),
+    dtype=st.sampled_from(DTYPES),
+    chunk_size=st.sampled_from([None, 1, 5, 16, "auto"]),
+    graph_opts=st.sampled_from(COMPILED_OPTIONS),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    mask=st.booleans(),
+    weights=st.booleans(),
+)
+def test_compiled_path_matches_fp64_reference(seed, batch_shape, dtype, chunk_size, graph_opts, reduction, mask,
+                                              weights):
+    """The default path (compiled chunk graphs), at one head shape so the suite compiles a few graphs."""
+    case = make_linear_case(seed, batch_shape, 8, 64, dtype, bias=True, reduction=reduction, mask=mask or None,
+                            weights=weights or None, **graph_opts)
+    _check_against_truth(case, chunk_size, compile_chunks=True)
 
 
 @given(
@@ -71,10 +91,12 @@ def test_matches_fp64_reference(seed, batch_shape, h, v, dtype, bias, chunk_size
     dtype=st.sampled_from(DTYPES),
     chunks=st.lists(st.sampled_from([1, 3, 8, 17, 64]), min_size=2, max_size=2, unique=True),
 )
-def test_result_does_not_depend_on_chunk_size(seed, n, dtype, chunks):
-    case = make_linear_case(seed, (n,), 16, 50, dtype, bias=True, reduction="none", z_loss=1e-3, softcap=10.0)
-    a, ga = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[0])
-    b, gb = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[1])
+@pytest.mark.parametrize("path", PATHS)
+def test_result_does_not_depend_on_chunk_size(seed, n, dtype, chunks, path):
+    case = make_linear_case(seed, (n,), 8, 64, dtype, bias=True, reduction="none", **COMPILED_OPTIONS[1])
+    kw = dict(compile_chunks=PATHS[path])
+    a, ga = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[0], **kw)
+    b, gb = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=chunks[1], **kw)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for name, x, y in zip(("hidden", "weight", "bias"), ga, gb):
         # Per-row gradients are chunk-local; weight/bias sums only regroup fp32 partials.
@@ -85,7 +107,8 @@ def test_result_does_not_depend_on_chunk_size(seed, n, dtype, chunks):
 
 def test_equals_cross_entropy_of_the_projected_logits_with_all_options():
     case = make_linear_case(3, (4, 9), 16, 33, torch.float32, bias=True, mask=True, weights=True)
-    kw = dict(reduction="sum", num_label_tokens=11, label_smoothing=0.2, z_loss=1e-3, softcap=8.0, chunk_size=5)
+    kw = dict(reduction="sum", num_label_tokens=11, label_smoothing=0.2, z_loss=1e-3, softcap=8.0, chunk_size=5,
+              compile_chunks=False)
 
     def via_logits(hidden, weight, labels, *, bias, **kwargs):
         return functional_ce.cross_entropy(F.linear(hidden, weight, bias), labels, **kwargs)
@@ -101,7 +124,8 @@ def test_matches_torch_linear_cross_entropy():
     case = make_linear_case(5, (37,), 24, 101, torch.float32, bias=True)
     for reduction in ("mean", "sum", "none"):
         ours = functional_ce.linear_cross_entropy(
-            case.hidden, case.weight, case.labels, bias=case.bias, reduction=reduction, label_smoothing=0.1, chunk_size=8
+            case.hidden, case.weight, case.labels, bias=case.bias, reduction=reduction, label_smoothing=0.1, chunk_size=8,
+            compile_chunks=False,
         )
         theirs = F.linear_cross_entropy(
             case.hidden, case.weight, case.labels, linear_bias=case.bias, reduction=reduction, label_smoothing=0.1
@@ -111,10 +135,11 @@ def test_matches_torch_linear_cross_entropy():
 
 def test_frozen_weight_gets_no_gradient_and_hidden_gradient_is_unchanged():
     case = make_linear_case(7, (20,), 8, 40, torch.bfloat16)
-    _, (gh_all, _, _) = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=6)
+    _, (gh_all, _, _) = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, chunk_size=6,
+                                              compile_chunks=False)
     hidden = case.hidden.clone().requires_grad_()
     weight = case.weight.clone()  # frozen
-    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels, chunk_size=6)
+    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels, chunk_size=6, compile_chunks=False)
     up = torch.rand((), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (loss * up.float()).backward()
     assert weight.grad is None
@@ -127,7 +152,7 @@ def test_tied_weight_receives_both_gradients():
     emb = torch.randn(30, 8, generator=g, requires_grad=True)
     ids = torch.randint(0, 30, (12,), generator=g)
     labels = torch.randint(0, 30, (12,), generator=g)
-    ours = functional_ce.linear_cross_entropy(torch.tanh(emb[ids]), emb, labels, chunk_size=5, reduction="mean")
+    ours = functional_ce.linear_cross_entropy(torch.tanh(emb[ids]), emb, labels, chunk_size=5, compile_chunks=False)
     (g_ours,) = torch.autograd.grad(ours, emb)
     ref = F.cross_entropy(torch.tanh(emb[ids]) @ emb.T, labels)
     (g_ref,) = torch.autograd.grad(ref, emb)
@@ -137,7 +162,8 @@ def test_tied_weight_receives_both_gradients():
 def test_no_valid_label_gives_zero_loss_and_zero_gradients():
     case = make_linear_case(1, (6,), 8, 10, torch.float32, ignore_frac=1.0)
     for reduction in ("sum", "mean"):
-        out, grads = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, reduction=reduction)
+        out, grads = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, reduction=reduction,
+                                           compile_chunks=False)
         assert out.item() == 0.0
         assert all(bool((g == 0).all()) for g in grads if g is not None)
 
@@ -146,10 +172,23 @@ def test_double_backward_raises_a_clear_error():
     case = make_linear_case(2, (5,), 4, 9, torch.float32)
     hidden = case.hidden.requires_grad_()
     weight = case.weight.requires_grad_()
-    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels)
+    loss = functional_ce.linear_cross_entropy(hidden, weight, case.labels, compile_chunks=False)
     (gh,) = torch.autograd.grad(loss, hidden, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
+    (expected,) = torch.autograd.grad(F.cross_entropy(hidden @ weight.T, case.labels), hidden)
+    torch.testing.assert_close(gh, expected)
+    with pytest.raises(RuntimeError, match="does not support double backward"):
         gh.sum().backward()
+
+
+def test_module_form_holds_the_options_and_owns_no_parameters():
+    case = make_linear_case(9, (3, 6), 8, 40, torch.float32, bias=True, mask=True)
+    opts = dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, softcap=8.0, chunk_size=4, compile_chunks=False)
+    module = functional_ce.LinearCrossEntropyLoss(**opts)
+    assert list(module.parameters()) == [] and "softcap=8.0" in repr(module)
+    got, g_got = linear_loss_and_grads(lambda h, w, y, bias, mask: module(h, w, y, bias, mask=mask), case)
+    want, g_want = linear_loss_and_grads(functional_ce.linear_cross_entropy, case, **opts)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(g_got, g_want))
+    assert functional_ce.LinearCrossEntropyLoss().reduction == "mean"
 
 
 def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dtype():
@@ -157,10 +196,11 @@ def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dt
     leaves = [t.detach().clone().requires_grad_() for t in (case.hidden, case.weight, case.bias)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = functional_ce.linear_cross_entropy(leaves[0], leaves[1], case.labels, bias=leaves[2], chunk_size=5,
-                                                 z_loss=1e-3)
+                                                 z_loss=1e-3, compile_chunks=False)
     got_grads = torch.autograd.grad(got, leaves)
     low = [t.detach().to(torch.bfloat16).requires_grad_() for t in (case.hidden, case.weight, case.bias)]
-    want = functional_ce.linear_cross_entropy(low[0], low[1], case.labels, bias=low[2], chunk_size=5, z_loss=1e-3)
+    want = functional_ce.linear_cross_entropy(low[0], low[1], case.labels, bias=low[2], chunk_size=5, z_loss=1e-3,
+                                              compile_chunks=False)
     want_grads = torch.autograd.grad(want, low)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(got_grads, want_grads):

@@ -9,6 +9,8 @@ from torch.autograd.graph import saved_tensors_hooks
 import functional_ce
 from functional_ce import linear_ops
 from tests.alloc_trace import AllocationTrace
+from tests.ce_cases import PATHS
+from tests.rss_peak import peak_extra_bytes
 
 # N * V is larger than every legitimate buffer (V * H weight gradient, chunk x V logits).
 N, H, V, CHUNK = 96, 8, 1000, 16
@@ -39,7 +41,9 @@ def _inputs(dtype=torch.bfloat16, bias=True):
 def test_no_allocation_of_tokens_times_vocab(kwargs, dtype):
     hidden, weight, bias, labels = _inputs(dtype)
     with LinearAllocationTrace() as fwd:
-        loss = functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, **kwargs)
+        loss = functional_ce.linear_cross_entropy(
+            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False, **kwargs
+        )
     with LinearAllocationTrace() as bwd:
         loss.backward()
     for phase, trace in (("forward", fwd), ("backward", bwd)):
@@ -62,7 +66,9 @@ def test_autograd_saves_only_the_callers_tensors_and_row_statistics():
         return t
 
     with saved_tensors_hooks(pack, lambda t: t):
-        functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, reduction="mean")
+        functional_ce.linear_cross_entropy(
+            hidden, weight, labels, bias=bias, chunk_size=CHUNK, reduction="mean", compile_chunks=False
+        )
     big = [t for t in saved if t.numel() > N]
     ptrs = {t.data_ptr() for t in big}
     assert ptrs == {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}, (
@@ -77,3 +83,30 @@ def _numel(shape):
     for s in shape:
         n *= s
     return n
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_peak_memory_stays_far_below_one_logits_tensor(path):
+    """Resident-memory peaks, which also see inside compiled chunk graphs: forward holds chunks
+    only, backward the hidden and weight gradients (fp32 accumulator included) plus chunks."""
+    n, h, v, chunk = 2048, 64, 4096, 64
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.2).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    kw = dict(chunk_size=chunk, compile_chunks=PATHS[path], z_loss=1e-4)
+
+    def leaves():
+        return hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+    hh, ww = leaves()
+    functional_ce.linear_cross_entropy(hh, ww, labels, **kw).backward()  # compile and warm up
+    hh, ww = leaves()
+    loss, fwd = peak_extra_bytes(lambda: functional_ce.linear_cross_entropy(hh, ww, labels, **kw))
+    _, bwd = peak_extra_bytes(loss.backward)
+    fp32_chunk = chunk * v * 4
+    grads = n * h * 2 + v * h * (4 + 2)  # hidden gradient, fp32 weight accumulator, weight gradient
+    logits_bf16 = n * v * 2
+    assert fwd <= 6 * fp32_chunk, f"forward peaked {fwd / 2**20:.1f} MiB"
+    assert bwd <= grads + 8 * fp32_chunk, f"backward peaked {bwd / 2**20:.1f} MiB"
+    assert max(fwd, bwd) < logits_bf16 / 2

@@ -1,0 +1,110 @@
+"""The eager shell shared by both loss forms: checks, masking and chunk sizing before the chunk
+loop, and weights plus the reduction after it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from .options import (
+    ChunkOptions,
+    ChunkSize,
+    check_label_range,
+    check_labels,
+    check_reduction,
+    check_token_tensor,
+    resolve_chunk_size,
+)
+
+Count = Union[int, float, torch.Tensor, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossPlan:
+    """What the chunk loop and the reduction need, once the inputs are checked.
+
+    Attributes:
+        opts: the per-chunk options.
+        labels: ``[N]`` int64, ``opts.ignore_index`` wherever the label was ignored or masked.
+        batch_shape: the caller's token shape ``[...]`` (``N`` is its product).
+        chunk_rows: token rows per chunk, in ``[1, max(N, 1)]``.
+        weights: ``[...]`` per-token multipliers or None.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        num_label_tokens: the denominator of a scalar reduction, or None.
+    """
+
+    opts: ChunkOptions
+    labels: torch.Tensor
+    batch_shape: torch.Size
+    chunk_rows: int
+    weights: Optional[torch.Tensor]
+    reduction: str
+    num_label_tokens: Count
+
+
+def check_compile_chunks(compile_chunks: object) -> Optional[bool]:
+    if compile_chunks is not None and not isinstance(compile_chunks, bool):
+        raise TypeError(f"compile_chunks must be True, False or None, got {compile_chunks!r}")
+    return compile_chunks
+
+
+def plan_loss(
+    labels: object,
+    *,
+    batch_shape: torch.Size,
+    n_classes: int,
+    device: torch.device,
+    what: str,
+    ignore_index: int,
+    mask: Optional[torch.Tensor],
+    weights: Optional[torch.Tensor],
+    reduction: str,
+    num_label_tokens: Count,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    chunk_size: ChunkSize,
+    auto_chunk_bytes: Optional[int] = None,
+) -> LossPlan:
+    """Check every argument but the float input(s) and turn them into a :class:`LossPlan`.
+
+    ``what`` names the float input (``"logits"`` / ``"hidden"``) in error messages;
+    ``auto_chunk_bytes`` is the fp32 ``[chunk_rows, n_classes]`` budget of ``chunk_size="auto"``
+    (default :data:`~functional_ce.options.AUTO_CHUNK_BYTES`).
+    """
+    labels = check_labels(labels, batch_shape, device, what)
+    check_token_tensor("mask", mask, batch_shape, device)
+    check_token_tensor("weights", weights, batch_shape, device)
+    check_reduction(reduction, num_label_tokens)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    check_label_range(labels, n_classes, opts.ignore_index)
+    labels1d = labels.reshape(-1).long()
+    if mask is not None:
+        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
+    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], n_classes * 4, auto_chunk_bytes)
+    return LossPlan(opts, labels1d, batch_shape, rows, weights, reduction, num_label_tokens)
+
+
+def reduce_rows(loss_rows: torch.Tensor, plan: LossPlan) -> torch.Tensor:
+    """Weights, then the reduction, over fp32 per-row losses ``[N]`` (0 on ignored rows).
+
+    ``"mean"`` divides the weighted sum by ``num_label_tokens`` when given, else by the number
+    of valid tokens; ``"sum"`` divides by ``num_label_tokens`` when given. A count of 0 (or no
+    valid token) gives 0.
+    """
+    if plan.weights is not None:
+        loss_rows = loss_rows * plan.weights.reshape(-1).float()
+    if plan.reduction == "none":
+        return loss_rows.reshape(plan.batch_shape)
+    total = loss_rows.sum()
+    count = plan.num_label_tokens
+    if count is None:
+        if plan.reduction == "sum":
+            return total
+        count = (plan.labels != plan.opts.ignore_index).sum()
+    if isinstance(count, torch.Tensor):
+        n = count.reshape(()).to(device=total.device, dtype=torch.float32)
+        return torch.where(n > 0, total / torch.where(n > 0, n, 1.0), 0.0)
+    return total / float(count) if count > 0 else total * 0.0
