@@ -73,7 +73,8 @@ def measure(
     return Measurement(error=tail[0][:200])
 
 
-def _rss_bytes(field: str) -> int:
+def rss_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -81,7 +82,8 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current resident set; False where the kernel does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -108,8 +110,8 @@ def _run(spec: dict[str, Any]) -> Measurement:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = _rss_bytes("VmRSS")
-        if not _reset_peak_rss():
+        before = rss_bytes("VmRSS")
+        if not reset_peak_rss():
             before = None
     times = []
     for _ in range(spec["repeats"]):
@@ -121,7 +123,7 @@ def _run(spec: dict[str, Any]) -> Measurement:
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = None if before is None else _rss_bytes("VmHWM") - before
+        peak = None if before is None else rss_bytes("VmHWM") - before
     return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak)
 
 

@@ -2,9 +2,9 @@
 (inside inductor-compiled graphs).
 
 glibc is told to serve every block of 64 KiB or more by ``mmap`` and to return it on ``free``,
-so each transient buffer shows in the resident set; the kernel's high-water mark (``VmHWM``) is
-reset before the call through ``/proc/self/clear_refs``. Linux with glibc only: elsewhere the
-tests that use this skip.
+so each transient buffer shows in the resident set (what ``bench.measure`` does for its child
+processes through ``MALLOC_MMAP_THRESHOLD_``); the kernel's high-water mark is reset before the
+call. Linux with glibc only: elsewhere the tests that use this skip.
 """
 
 from __future__ import annotations
@@ -15,36 +15,26 @@ from typing import Any, Callable
 
 import pytest
 
+from bench.measure import reset_peak_rss, rss_bytes
+
 _M_MMAP_THRESHOLD = -3
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
 
 
 def _prepare() -> None:
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024) == 1
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        _status("VmHWM")
-    except OSError as exc:
+        ok = ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024) == 1
+        rss_bytes("VmHWM")
+    except (OSError, RuntimeError) as exc:
         pytest.skip(f"peak resident memory cannot be measured here: {exc}")
-    if not ok:
-        pytest.skip("glibc refused the mmap threshold: transient buffers would be hidden")
+    if not ok or not reset_peak_rss():
+        pytest.skip("this kernel or libc does not let the resident-set peak be measured")
 
 
 def peak_extra_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
     """``(fn(), highest resident set during the call minus the resident set before it)``."""
     _prepare()
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
+    reset_peak_rss()
+    before = rss_bytes("VmRSS")
     out = fn()
-    return out, _status("VmHWM") - before
+    return out, rss_bytes("VmHWM") - before
