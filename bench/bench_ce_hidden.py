@@ -17,12 +17,12 @@ SHAPE = dict(n=256, h=128, v=4096, dtype="bf16", device="cpu")
 
 @pytest.mark.parametrize("variant", list(ce_hidden.VARIANTS))
 def test_ce_hidden_forward_backward(benchmark, variant):
-    setup, available = ce_hidden.VARIANTS[variant]
+    setup, extra, available = ce_hidden.VARIANTS[variant]
     reason = available(SHAPE["device"])
     if reason:
         pytest.skip(f"{variant}: {reason}")
     module, name = setup.split(":")
     assert module == ce_hidden.__name__
-    step = getattr(ce_hidden, name)(**SHAPE)
+    step = getattr(ce_hidden, name)(**SHAPE, **extra)
     benchmark.group = f"ce_hidden {SHAPE['n']}x{SHAPE['h']}x{SHAPE['v']} {SHAPE['dtype']}"
     benchmark.pedantic(step, warmup_rounds=1, rounds=5, iterations=1)

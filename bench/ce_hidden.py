@@ -3,11 +3,14 @@
 Table 1, the hidden-state loss ``[N, H] x [V, H]`` (each variant in its own process, side by
 side in one run):
   - ``F.linear + F.cross_entropy eager``: ``F.cross_entropy(F.linear(h, w).float(), y)``, the baseline;
+  - the same under ``torch.compile`` (what cut-cross-entropy's ``impl="torch_compile"`` runs when
+    no label is ignored: the full ``[N, V]`` logits, fused by inductor);
   - ``torch F.linear_cross_entropy``: with ``options=torch.nn.LinearCrossEntropyOptions()``
     (torch's chunked path), where this torch has it;
   - ``cut-cross-entropy torch_compile``: Apple's ``linear_cross_entropy(..., impl="torch_compile")``,
     where the package is installed and importable (an optional peer, never a dependency);
-  - ``functional_ce.linear_cross_entropy``.
+  - ``functional_ce.linear_cross_entropy``, the default (gradients computed in forward) and with
+    ``recompute_logits_in_backward=True``.
 
 Table 2, the Hugging Face loss path on a tiny random-init Llama (bf16, large vocabulary so the
 logits dominate): ``model(**batch, labels=...)`` forward + backward as shipped, with
@@ -49,10 +52,16 @@ def _step(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callable[[], torc
     return step
 
 
-def setup_eager(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+def setup_eager(*, n: int, h: int, v: int, dtype: str, device: str, compiled: bool = False,
+                **_: Any) -> Callable[[], None]:
     hidden, weight, labels = _inputs(n, h, v, dtype, device)
     F = torch.nn.functional
-    return _step(hidden, weight, lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels))
+
+    def loss(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(x, w).float(), y)
+
+    fn = torch.compile(loss) if compiled else loss
+    return _step(hidden, weight, lambda: fn(hidden, weight, labels))
 
 
 def setup_torch_lce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
@@ -69,12 +78,12 @@ def setup_cce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> C
 
 
 def setup_ours(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: Any = "auto",
-               **_: Any) -> Callable[[], None]:
+               recompute: bool = False, **_: Any) -> Callable[[], None]:
     import functional_ce
 
     hidden, weight, labels = _inputs(n, h, v, dtype, device)
     return _step(hidden, weight, lambda: functional_ce.linear_cross_entropy(
-        hidden, weight, labels, reduction="mean", chunk_size=chunk_size))
+        hidden, weight, labels, chunk_size=chunk_size, recompute_logits_in_backward=recompute))
 
 
 def setup_liger(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
@@ -108,12 +117,16 @@ def _cce_available(device: str) -> Optional[str]:
     return None
 
 
-VARIANTS: dict[str, tuple[str, Callable[[str], Optional[str]]]] = {
-    BASELINE: ("bench.ce_hidden:setup_eager", lambda d: None),
-    "torch F.linear_cross_entropy (options)": ("bench.ce_hidden:setup_torch_lce", _torch_lce_available),
-    "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", _cce_available),
-    "liger fused linear CE (CUDA)": ("bench.ce_hidden:setup_liger", _liger_available),
-    "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", lambda d: None),
+COMPILED = "the same under torch.compile"
+VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] = {
+    BASELINE: ("bench.ce_hidden:setup_eager", {}, lambda d: None),
+    COMPILED: ("bench.ce_hidden:setup_eager", {"compiled": True}, lambda d: None),
+    "torch F.linear_cross_entropy (options)": ("bench.ce_hidden:setup_torch_lce", {}, _torch_lce_available),
+    "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", {}, _cce_available),
+    "liger fused linear CE (CUDA)": ("bench.ce_hidden:setup_liger", {}, _liger_available),
+    "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", {}, lambda d: None),
+    "functional_ce, recompute_logits_in_backward": ("bench.ce_hidden:setup_ours", {"recompute": True},
+                                                     lambda d: None),
 }
 
 
@@ -182,7 +195,7 @@ def measure_variants(n: int, h: int, v: int, args: argparse.Namespace,
     """Every wanted variant at ``N=n``, each in its own process."""
     wanted = None if args.lce_variants == "all" else {s.strip() for s in args.lce_variants.split(",")}
     results: dict[str, Measurement] = {}
-    for name, (setup, available) in VARIANTS.items():
+    for name, (setup, extra, available) in VARIANTS.items():
         if wanted is not None and name not in wanted and name != BASELINE:
             continue
         tick(f"lce {name} N={n}")
@@ -190,7 +203,7 @@ def measure_variants(n: int, h: int, v: int, args: argparse.Namespace,
         if reason:
             results[name] = Measurement(error=reason)
             continue
-        kwargs = {"n": n, "h": h, "v": v, "dtype": args.lce_dtype, "chunk_size": _chunk(args.lce_chunk_size)}
+        kwargs = {"n": n, "h": h, "v": v, "dtype": args.lce_dtype, "chunk_size": _chunk(args.lce_chunk_size), **extra}
         results[name] = measure(setup, kwargs, device=args.device, repeats=args.lce_repeats)
     return results
 
@@ -200,10 +213,11 @@ def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[T
     results = measure_variants(n, h, v, args, tick)
     base = results[BASELINE]
     torch_lce = results.get("torch F.linear_cross_entropy (options)", Measurement())
+    compiled = results.get(COMPILED, Measurement())
     rows = [
-        [name, m.ms, ratio(m.seconds, base.seconds), ratio(m.seconds, torch_lce.seconds), m.peak_mib,
-         ratio(m.peak_extra_bytes, base.peak_extra_bytes), ratio(m.peak_extra_bytes, torch_lce.peak_extra_bytes),
-         m.error or "ok"]
+        [name, m.ms, ratio(m.seconds, base.seconds), ratio(m.seconds, compiled.seconds),
+         ratio(m.seconds, torch_lce.seconds), m.peak_mib, ratio(m.peak_extra_bytes, base.peak_extra_bytes),
+         ratio(m.peak_extra_bytes, compiled.peak_extra_bytes), m.error or "ok"]
         for name, m in results.items()
     ]
     mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of a child process"
@@ -212,11 +226,12 @@ def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[T
         "--lce-repeats", str(args.lce_repeats), "--lce-hf", args.lce_hf, "--device", args.device])
     table = Table(
         title=f"cross-entropy from hidden states, forward+backward, N={n} H={h} V={v} {args.lce_dtype} on {args.device}",
-        columns=["variant", "time (ms)", "x baseline", "x torch lce", "peak extra (MiB)", "x baseline",
-                 "x torch lce", "status"],
+        columns=["variant", "time (ms)", "x baseline", "x compiled", "x torch lce", "peak extra (MiB)",
+                 "x baseline", "x compiled", "status"],
         rows=rows,
-        baseline=f"{BASELINE}: F.cross_entropy(F.linear(hidden, weight).float(), labels); "
-                 "'x torch lce' is against F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
+        baseline=f"{BASELINE}: F.cross_entropy(F.linear(hidden, weight).float(), labels); 'x compiled' is "
+                 "against the same under torch.compile, 'x torch lce' against "
+                 "F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
         notes=[f"peak extra memory = {mem_how} above the inputs during the step; gradients of hidden and "
                "weight count"],
         command=cmd,

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from . import linear_ops
+from . import linear_fused, linear_ops
 from .options import ChunkSize, Reduction, check_float
-from .shell import Count, check_compile_chunks, plan_loss, reduce_rows
+from .shell import Count, check_compile_chunks, plan_loss, reduce_rows, row_coefficients
 
 #: ``chunk_size="auto"`` bounds one fp32 chunk of logits to this many bytes. Smaller than the
 #: logits form's budget: here the chunk is the only vocabulary-wide buffer, and the matmuls
@@ -80,15 +80,19 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     chunk_size: ChunkSize = "auto",
     compile_chunks: Optional[bool] = None,
+    recompute_logits_in_backward: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` without ever building them.
 
     Same result as ``functional_ce.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``
     (fp32 loss maths), but no ``[N, V]`` tensor is allocated in forward or backward: each chunk
     of ``chunk_size`` token rows computes its ``[c, V]`` logits, its loss and ``logsumexp``, and
-    drops them. Autograd saves only ``hidden``, ``weight``, ``bias``, the labels and one fp32
-    ``logsumexp`` per row; backward recomputes each chunk's logits. The weight and bias
-    gradients are accumulated in fp32 and returned in the weight's dtype.
+    drops them; rows whose label is ignored take part in no matmul. With ``"mean"`` / ``"sum"``
+    and gradients required, forward also computes the gradients for a unit upstream gradient
+    (three matmuls per chunk in all) and backward scales them; otherwise (``"none"``, or
+    ``recompute_logits_in_backward=True``) autograd saves only ``hidden``, ``weight``, ``bias``,
+    the labels and one fp32 ``logsumexp`` per row, and backward recomputes each chunk's logits.
+    The weight and bias gradients are accumulated in fp32 and returned in the weight's dtype.
 
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16 (e.g. the decoder's last hidden state).
@@ -102,6 +106,12 @@ def linear_cross_entropy(
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
             environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
             only if the compiler itself fails, with a warning naming the cause.
+        recompute_logits_in_backward: with a scalar reduction and gradients required, the
+            default computes each chunk's logits once and the gradients (for a unit upstream
+            gradient) already in forward, holding ``[N, H]`` + ``[V, H]`` gradients until
+            backward scales them by the upstream gradient. True saves only O(N) statistics and
+            recomputes each chunk's logits in backward (one more matmul per chunk), as
+            ``reduction="none"`` always does.
 
     Returns:
         fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
@@ -123,7 +133,17 @@ def linear_cross_entropy(
         num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
         chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES,
     )
+    if not isinstance(recompute_logits_in_backward, bool):
+        raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
+    hidden2d = hidden.reshape(-1, width)
+    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    if plan.reduction != "none" and not recompute_logits_in_backward and torch.is_grad_enabled() and any(needs):
+        coef = row_coefficients(plan, hidden.device)
+        loss, *_ = linear_fused.linear_ce_fused(
+            hidden2d, weight, bias, plan.labels, coef, *plan.opts.op_args(), plan.chunk_rows, compile_chunks, *needs
+        )
+        return loss
     loss_rows, _ = linear_ops.linear_ce_forward(
-        hidden.reshape(-1, width), weight, bias, plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks
+        hidden2d, weight, bias, plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks
     )
     return reduce_rows(loss_rows, plan)

@@ -1,9 +1,12 @@
-"""Custom operators running the hidden-state chunk loop, with autograd registered.
+"""Custom operators running the hidden-state chunk loop with the logits recomputed in backward.
 
 ``linear_ce_forward`` saves only what the caller already owns (hidden, weight, bias, labels)
 plus the fp32 row ``logsumexp`` (O(N)). Backward recomputes each chunk's logits, returns the
 hidden gradient chunk by chunk, and accumulates the weight (and bias) gradient in fp32, returned
-in the weight's dtype. No ``[N, V]`` tensor exists in forward or backward. As with
+in the weight's dtype. Rows whose label is ignored (or masked) are left out of every matmul.
+No ``[N, V]`` tensor exists in forward or backward. This is the path of ``reduction="none"``
+and of ``recompute_logits_in_backward=True``; :mod:`functional_ce.linear_fused` computes the
+gradients in forward instead. As with
 :mod:`functional_ce.ops`, the loop sits inside operators with fake kernels, so a user's
 ``torch.compile(fullgraph=True)`` sees one node per direction: no graph break, and no
 recompilation when the token count or chunk count changes.
@@ -11,6 +14,7 @@ recompilation when the token count or chunk count changes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -43,16 +47,18 @@ def _linear_ce_forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V]?``, ``labels [N]`` -> fp32 ``(loss_rows, lse)`` ``[N]``."""
     opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
-    n = hidden.shape[0]
+    rows = ValidRows.of(labels, ignore_index)
+    h, y = rows.take(hidden), rows.take(labels)
+    n = h.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
-        loss_c, lse_c = run_chunk(linear_chunk_forward, compile_chunks, hidden[start:stop], weight, bias,
-                                  labels[start:stop], row_args=_FORWARD_ROWS, opts=opts)
+        loss_c, lse_c = run_chunk(linear_chunk_forward, compile_chunks, h[start:stop], weight, bias,
+                                  y[start:stop], row_args=_FORWARD_ROWS, opts=opts)
         loss[start:stop] = loss_c
         lse[start:stop] = lse_c
-    return loss, lse
+    return rows.put(loss), rows.put(lse)
 
 
 linear_ce_forward = torch.library.custom_op(f"{_LIB}::linear_ce_forward", mutates_args=())(_linear_ce_forward_impl)
@@ -64,7 +70,36 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softc
     return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
 
 
-def _add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor) -> None:
+@dataclasses.dataclass(frozen=True)
+class ValidRows:
+    """The rows that carry a loss (label != ignore_index), so ignored rows cost no matmul.
+
+    ``index`` is None when every row is valid (nothing is gathered then).
+    """
+
+    n: int
+    index: Optional[torch.Tensor]
+
+    @staticmethod
+    def of(labels: torch.Tensor, ignore_index: int) -> "ValidRows":
+        valid = labels != ignore_index
+        if bool(valid.all()):  # one host read-back per call (a sync on GPU)
+            return ValidRows(labels.shape[0], None)
+        return ValidRows(labels.shape[0], valid.nonzero().squeeze(1))
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The valid rows of ``t`` ``[N, ...]``."""
+        return t if self.index is None else t.index_select(0, self.index)
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """``[n_valid, ...]`` back to ``[N, ...]``, zeros on the ignored rows."""
+        if self.index is None:
+            return t
+        full = t.new_zeros((self.n, *t.shape[1:]))
+        return full.index_copy_(0, self.index, t)
+
+
+def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor) -> None:
     """``acc [V, H] fp32 += grad_logits.T @ hidden_c``; low-precision partials sliced over V."""
     if grad_logits.dtype == torch.float32:
         acc.addmm_(grad_logits.t(), hidden_c)
@@ -99,30 +134,32 @@ def _linear_ce_backward_impl(
     gradient that was not asked for comes back as an empty ``[0]`` tensor.
     """
     opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
-    n = hidden.shape[0]
+    rows = ValidRows.of(labels, ignore_index)
+    h, y, lse, grad_rows = (rows.take(t) for t in (hidden, labels, lse, grad_rows))
+    n = h.shape[0]
     dev = hidden.device
-    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
+    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
     acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
     acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
-        h_c = hidden[start:stop]
+        h_c = h[start:stop]
         gh_c, g_logits = run_chunk(
-            linear_chunk_backward, compile_chunks, h_c, weight, bias, labels[start:stop], lse[start:stop],
+            linear_chunk_backward, compile_chunks, h_c, weight, bias, y[start:stop], lse[start:stop],
             grad_rows[start:stop], row_args=_BACKWARD_ROWS, opts=opts,
         )
         if need_hidden:
             grad_h[start:stop] = gh_c
         del gh_c
         if acc_w is not None:
-            _add_weight_grad(acc_w, g_logits, h_c)
+            add_weight_grad(acc_w, g_logits, h_c)
         if acc_b is not None:
             acc_b += g_logits.sum(dim=0, dtype=torch.float32)
         del g_logits
     grad_w = acc_w.to(weight.dtype) if acc_w is not None else weight.new_empty(0)
     del acc_w
     grad_b = acc_b.to(bias.dtype) if (acc_b is not None and bias is not None) else weight.new_empty(0)
-    return grad_h, grad_w, grad_b
+    return (rows.put(grad_h) if need_hidden else grad_h), grad_w, grad_b
 
 
 linear_ce_backward = torch.library.custom_op(f"{_LIB}::linear_ce_backward", mutates_args=())(

@@ -124,11 +124,18 @@ class LinearCrossEntropyLoss(_LossOptions):
         softcap: Optional[float] = None,
         chunk_size: ChunkSize = "auto",
         compile_chunks: Optional[bool] = None,
+        recompute_logits_in_backward: bool = False,
     ) -> None:
         super().__init__(
             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, chunk_size=chunk_size, compile_chunks=compile_chunks,
         )
+        if not isinstance(recompute_logits_in_backward, bool):
+            raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
+        self.recompute_logits_in_backward = recompute_logits_in_backward
+
+    def _options(self) -> dict:
+        return dict(super()._options(), recompute_logits_in_backward=self.recompute_logits_in_backward)
 
     def forward(
         self,

@@ -87,6 +87,34 @@ def plan_loss(
     return LossPlan(opts, labels1d, batch_shape, rows, weights, reduction, num_label_tokens)
 
 
+def _denominator(plan: LossPlan) -> Union[float, torch.Tensor, None]:
+    """What the weighted sum is divided by: None for a plain sum."""
+    if plan.num_label_tokens is not None:
+        return plan.num_label_tokens
+    if plan.reduction == "mean":
+        return (plan.labels != plan.opts.ignore_index).sum()
+    return None
+
+
+def _divide(x: torch.Tensor, count: Union[float, torch.Tensor, None]) -> torch.Tensor:
+    """``x / count``, 0 where the count is 0."""
+    if count is None:
+        return x
+    if isinstance(count, torch.Tensor):
+        n = count.reshape(()).to(device=x.device, dtype=torch.float32)
+        return torch.where(n > 0, x / torch.where(n > 0, n, 1.0), 0.0)
+    return x / float(count) if count > 0 else x * 0.0
+
+
+def row_coefficients(plan: LossPlan, device: torch.device) -> torch.Tensor:
+    """``[N]`` fp32: each row's factor in the scalar loss (weight over denominator, 0 if ignored),
+    so that the reduction equals ``sum(coef * loss_rows)``."""
+    valid = (plan.labels != plan.opts.ignore_index).float()
+    if plan.weights is not None:
+        valid = valid * plan.weights.reshape(-1).float()
+    return _divide(valid.to(device), _denominator(plan))
+
+
 def reduce_rows(loss_rows: torch.Tensor, plan: LossPlan) -> torch.Tensor:
     """Weights, then the reduction, over fp32 per-row losses ``[N]`` (0 on ignored rows).
 
@@ -98,13 +126,4 @@ def reduce_rows(loss_rows: torch.Tensor, plan: LossPlan) -> torch.Tensor:
         loss_rows = loss_rows * plan.weights.reshape(-1).float()
     if plan.reduction == "none":
         return loss_rows.reshape(plan.batch_shape)
-    total = loss_rows.sum()
-    count = plan.num_label_tokens
-    if count is None:
-        if plan.reduction == "sum":
-            return total
-        count = (plan.labels != plan.opts.ignore_index).sum()
-    if isinstance(count, torch.Tensor):
-        n = count.reshape(()).to(device=total.device, dtype=torch.float32)
-        return torch.where(n > 0, total / torch.where(n > 0, n, 1.0), 0.0)
-    return total / float(count) if count > 0 else total * 0.0
+    return _divide(loss_rows.sum(), _denominator(plan))

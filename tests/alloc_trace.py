@@ -1,7 +1,10 @@
-"""A dispatch mode that records the shape and dtype of every tensor an operator returns.
+"""A dispatch mode that records the shape and dtype of every tensor an operator returns, and
+counts matmul FLOPs.
 
 Custom operators of ``functional_ce`` are opened up: their Python implementation runs under
-the same mode, so allocations inside the chunk loop are seen too.
+the same mode, so allocations and matmuls inside the chunk loops are seen too (torch's own
+``FlopCounterMode`` sees each operator as one opaque call). Compiled chunk graphs do not run
+under a dispatch mode: the chunk maths runs eagerly there.
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from functional_ce.ops import IMPLEMENTATIONS
+from torch.utils.flop_counter import flop_registry
+
+from functional_ce import linear_fused, linear_ops, ops
+
+IMPLEMENTATIONS = {**ops.IMPLEMENTATIONS, **linear_ops.IMPLEMENTATIONS, **linear_fused.IMPLEMENTATIONS}
 
 # Operators whose outputs are views or the mutated input, not new storage.
 _NO_ALLOC = {"aten::view", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::unsqueeze",
@@ -22,11 +29,13 @@ _NO_ALLOC = {"aten::view", "aten::_unsafe_view", "aten::slice", "aten::select", 
 
 
 class AllocationTrace(TorchDispatchMode):
-    """``records``: ``(op name, shape, dtype)`` of each new tensor an operator returned."""
+    """``records``: ``(op name, shape, dtype)`` of each new tensor an operator returned;
+    ``flops``: FLOPs of the matmuls (and other ops torch's FLOP counter knows) that ran."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
@@ -36,6 +45,7 @@ class AllocationTrace(TorchDispatchMode):
             with self:
                 return impl(*args, **kwargs)
         out = func(*args, **kwargs)
+        self.flops += _flops(name, func, args, kwargs, out)
         if name not in _NO_ALLOC and not name.endswith("_"):
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -47,6 +57,18 @@ class AllocationTrace(TorchDispatchMode):
 
     def with_numel(self, numel: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return [r for r in self.records if _numel(r[1]) == numel]
+
+
+#: Matmul-like operators as a Python mode sees them (composite ones are not decomposed there):
+#: position of the argument whose last dim is the contracted one.
+_CONTRACTING_ARG = {"aten::mm": 0, "aten::matmul": 0, "aten::linear": 0, "aten::addmm": 1, "aten::addmm_": 1}
+
+
+def _flops(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    if name in _CONTRACTING_ARG and isinstance(out, torch.Tensor):
+        return 2 * out.numel() * args[_CONTRACTING_ARG[name]].shape[-1]
+    count = flop_registry.get(func._overloadpacket)
+    return 0 if count is None else int(count(*args, **kwargs, out_val=out))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

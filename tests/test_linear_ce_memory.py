@@ -1,4 +1,8 @@
-"""The hidden-state loss never allocates or saves an [N, V] tensor, in forward or backward."""
+"""The hidden-state loss never allocates or saves an [N, V] tensor, in forward or backward.
+
+Two paths: by default (scalar reduction, gradients required) forward computes the gradients and
+keeps them, backward only scales them; with ``recompute_logits_in_backward=True`` (and with
+``reduction="none"``) forward keeps O(N) statistics and backward recomputes each chunk."""
 
 from __future__ import annotations
 
@@ -7,24 +11,12 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 import functional_ce
-from functional_ce import linear_ops
 from tests.alloc_trace import AllocationTrace
 from tests.ce_cases import PATHS
 from tests.rss_peak import peak_extra_bytes
 
 # N * V is larger than every legitimate buffer (V * H weight gradient, chunk x V logits).
 N, H, V, CHUNK = 96, 8, 1000, 16
-
-
-class LinearAllocationTrace(AllocationTrace):
-    """AllocationTrace that also opens up the hidden-state operators."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        impl = linear_ops.IMPLEMENTATIONS.get(func._schema.name)
-        if impl is not None:
-            with self:
-                return impl(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _inputs(dtype=torch.bfloat16, bias=True):
@@ -36,25 +28,49 @@ def _inputs(dtype=torch.bfloat16, bias=True):
     return hidden, weight, b, labels
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"reduction": "mean", "z_loss": 1e-4, "softcap": 20.0, "label_smoothing": 0.1}])
+@pytest.mark.parametrize("recompute", [False, True], ids=["grads-in-forward", "recompute"])
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum", "z_loss": 1e-4, "softcap": 20.0, "label_smoothing": 0.1}])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_no_allocation_of_tokens_times_vocab(kwargs, dtype):
+def test_no_allocation_of_tokens_times_vocab(kwargs, dtype, recompute):
     hidden, weight, bias, labels = _inputs(dtype)
-    with LinearAllocationTrace() as fwd:
+    with AllocationTrace() as fwd:
         loss = functional_ce.linear_cross_entropy(
-            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False, **kwargs
+            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
+            recompute_logits_in_backward=recompute, **kwargs
         )
-    with LinearAllocationTrace() as bwd:
+    with AllocationTrace() as bwd:
         loss.backward()
     for phase, trace in (("forward", fwd), ("backward", bwd)):
         assert trace.records, f"the trace saw nothing in {phase}; it does not open the operators"
         too_big = [r for r in trace.records if _numel(r[1]) > max(CHUNK * V, V * H)]
         assert not too_big, f"{phase} allocated {too_big[:3]}"
     # The chunk really is the largest vocabulary-wide buffer, and the weight gradient is
-    # accumulated in fp32 (one [V, H] fp32 buffer) before it is returned in the weight dtype.
-    assert (CHUNK, V) in {r[1] for r in bwd.records}
-    assert any(r[1] == (V, H) and r[2] == torch.float32 for r in bwd.records)
+    # accumulated in fp32 (one [V, H] fp32 buffer) before it is returned in the weight dtype,
+    # in backward when it recomputes, in forward otherwise (backward then builds no chunk).
+    grad_phase = bwd if recompute else fwd
+    assert (CHUNK, V) in {r[1] for r in grad_phase.records}
+    assert any(r[1] == (V, H) and r[2] == torch.float32 for r in grad_phase.records)
+    if not recompute:
+        assert not [r for r in bwd.records if _numel(r[1]) >= CHUNK * V], f"backward built chunks: {bwd.records}"
     assert weight.grad.dtype == dtype and hidden.grad.dtype == dtype and bias.grad.dtype == dtype
+
+
+def test_forward_keeps_only_the_gradients_and_row_statistics():
+    """Default path: what autograd holds from forward to backward is the callers' tensors, one
+    gradient per input (input dtype, no fp32 accumulator) and O(N) fp32 rows."""
+    hidden, weight, bias, labels = _inputs()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False)
+    callers = {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}
+    new = sorted(((tuple(t.shape), t.dtype) for t in saved if t.data_ptr() not in callers), key=str)
+    assert new == sorted([((N,), torch.float32), ((N, H), hidden.dtype), ((V, H), weight.dtype), ((V,), bias.dtype)],
+                         key=str), new
 
 
 def test_autograd_saves_only_the_callers_tensors_and_row_statistics():
@@ -67,7 +83,8 @@ def test_autograd_saves_only_the_callers_tensors_and_row_statistics():
 
     with saved_tensors_hooks(pack, lambda t: t):
         functional_ce.linear_cross_entropy(
-            hidden, weight, labels, bias=bias, chunk_size=CHUNK, reduction="mean", compile_chunks=False
+            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
+            recompute_logits_in_backward=True,
         )
     big = [t for t in saved if t.numel() > N]
     ptrs = {t.data_ptr() for t in big}
@@ -87,8 +104,8 @@ def _numel(shape):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_peak_memory_stays_far_below_one_logits_tensor(path):
-    """Resident-memory peaks, which also see inside compiled chunk graphs: forward holds chunks
-    only, backward the hidden and weight gradients (fp32 accumulator included) plus chunks."""
+    """Resident-memory peaks, which also see inside compiled chunk graphs: forward and backward
+    each hold the hidden and weight gradients (fp32 accumulator included) plus a few chunks."""
     n, h, v, chunk = 2048, 64, 4096, 64
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(n, h, generator=g).bfloat16()
@@ -107,6 +124,6 @@ def test_peak_memory_stays_far_below_one_logits_tensor(path):
     fp32_chunk = chunk * v * 4
     grads = n * h * 2 + v * h * (4 + 2)  # hidden gradient, fp32 weight accumulator, weight gradient
     logits_bf16 = n * v * 2
-    assert fwd <= 6 * fp32_chunk, f"forward peaked {fwd / 2**20:.1f} MiB"
+    assert fwd <= grads + 6 * fp32_chunk, f"forward peaked {fwd / 2**20:.1f} MiB"
     assert bwd <= grads + 8 * fp32_chunk, f"backward peaked {bwd / 2**20:.1f} MiB"
     assert max(fwd, bwd) < logits_bf16 / 2
