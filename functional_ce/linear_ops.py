@@ -100,15 +100,23 @@ class ValidRows:
 
 
 def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor) -> None:
-    """``acc [V, H] fp32 += grad_logits.T @ hidden_c``; low-precision partials sliced over V."""
+    """``acc [V, H] fp32 += grad_logits.T @ hidden_c``.
+
+    fp32 inputs accumulate straight into ``acc``; low-precision ones (no mixed-dtype matmul into
+    an fp32 output on every backend) go through one low-precision partial, sliced over V so it
+    stays under ``_PARTIAL_BYTES``, added in place.
+    """
     if grad_logits.dtype == torch.float32:
         acc.addmm_(grad_logits.t(), hidden_c)
         return
     v, h = acc.shape
-    step = max(1, _PARTIAL_BYTES // max(1, h * grad_logits.element_size()))
+    step = max(1, min(v, _PARTIAL_BYTES // max(1, h * grad_logits.element_size())))
+    partial = torch.empty((step, h), dtype=grad_logits.dtype, device=acc.device)
     for v0 in range(0, v, step):
         v1 = min(v0 + step, v)
-        acc[v0:v1] += (grad_logits[:, v0:v1].t() @ hidden_c).float()
+        out = partial[: v1 - v0]
+        torch.mm(grad_logits[:, v0:v1].t(), hidden_c, out=out)
+        acc[v0:v1].add_(out)
 
 
 def _linear_ce_backward_impl(
