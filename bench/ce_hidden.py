@@ -182,6 +182,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lce-hf", default="none",
                        help='B,T,V of the Hugging Face loss-path table, e.g. 4,512,32000 (default "none": '
                             'skipped, it adds about a minute)')
+    group.add_argument("--lce-profile", action="store_true",
+                       help="add a profile of functional_ce's step at --lce-shape: matmul time vs the rest")
     group.add_argument("--lce-sweep", default="256,512,1024,2048",
                        help="token counts N for the --plot sweep (H, V from --lce-shape)")
 
@@ -269,9 +271,61 @@ def _hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Ta
     return table, {"hf_shape": [b, t, v], "hf_results": {k: vars(m) for k, m in results.items()}}
 
 
+#: Profiler event names that are matrix multiplications (aten ops and oneDNN / cuBLAS kernels).
+_MATMUL_MARKERS = ("mm", "matmul", "linear", "gemm", "brgemm")
+
+
+def profile_step(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: Any = "auto",
+                 **_: Any) -> dict[str, float]:
+    """Self time (ms) of one warm forward + backward of ``functional_ce.linear_cross_entropy``,
+    split into matmuls and everything else (compiled chunk graphs, copies, reductions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = setup_ours(n=n, h=h, v=v, dtype=dtype, device=device, chunk_size=chunk_size)
+    step()
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    split = {"matmul": 0.0, "other": 0.0}
+    attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    for event in prof.key_averages():
+        name = event.key.lower()
+        part = "matmul" if any(m in name for m in _MATMUL_MARKERS) else "other"
+        split[part] += getattr(event, attr) / 1e3
+    return split
+
+
+def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
+    n, h, v = (int(x) for x in args.lce_shape.split(","))
+    tick(f"lce profile N={n}")
+    split = profile_step(n=n, h=h, v=v, dtype=args.lce_dtype, device=args.device,
+                         chunk_size=_chunk(args.lce_chunk_size))
+    total = sum(split.values()) or 1.0
+    matmul_flop = 3 * 2 * n * h * v
+    rows = [[part, ms, ms / total, (matmul_flop / (ms / 1e3) / 1e12) if part == "matmul" and ms else None]
+            for part, ms in split.items()]
+    table = Table(
+        title=f"where functional_ce.linear_cross_entropy's step goes, N={n} H={h} V={v} {args.lce_dtype} on {args.device}",
+        columns=["part", "self time (ms)", "share", "matmul TFLOP/s"],
+        rows=rows,
+        command="python -m bench --only lce --lce-profile " + " ".join(shlex.quote(a) for a in [
+            "--lce-shape", args.lce_shape, "--lce-dtype", args.lce_dtype, "--device", args.device]),
+        notes=["torch.profiler self time of one warm step in this process; matmul = events whose name holds "
+               "mm/matmul/linear/gemm (3 N H V multiply-adds: logits, hidden and weight gradients)"],
+    )
+    return table, {"profile_ms": split}
+
+
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     table, data = _lce_table(args, tick)
     tables = [table]
+    if args.lce_profile:
+        profile_table, profile_data = _profile_table(args, tick)
+        tables.append(profile_table)
+        data.update(profile_data)
     if args.lce_hf.lower() != "none":
         if importlib.util.find_spec("transformers") is None:
             tables.append(Table(title="Hugging Face loss step", columns=["status"], rows=[["transformers not installed"]],

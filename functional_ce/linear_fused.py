@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .chunk import chunk_backward, chunk_forward
 from .compiled import run_chunk
 from .double_backward import refuse_double_backward
-from .linear_ops import ValidRows, add_weight_grad
+from .linear_ops import LinearGrads, ValidRows
 from .options import ChunkOptions
 
 _LIB = "functional_ce"
@@ -80,32 +80,19 @@ def _linear_ce_fused_impl(
     opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     rows = ValidRows.of(labels, ignore_index)
     h, y, c = rows.take(hidden), rows.take(labels), rows.take(coef)
-    n, dev = h.shape[0], hidden.device
-    loss_rows = torch.empty(n, dtype=torch.float32, device=dev)
-    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
-    acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
+    loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
+    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias)
+    for start in range(0, h.shape[0], chunk_size):
+        stop = min(start + chunk_size, h.shape[0])
         h_c = h[start:stop]
-        loss_c, gh_c, g_logits = run_chunk(
+        loss_c, grad_h_c, grad_logits = run_chunk(
             linear_chunk_fused, compile_chunks, h_c, weight, bias, y[start:stop], c[start:stop],
             row_args=_ROWS, opts=opts,
         )
         loss_rows[start:stop] = loss_c
-        if need_hidden:
-            grad_h[start:stop] = gh_c
-        del gh_c
-        if acc_w is not None:
-            add_weight_grad(acc_w, g_logits, h_c)
-        if acc_b is not None:
-            acc_b += g_logits.sum(dim=0, dtype=torch.float32)
-        del g_logits
-    total = (loss_rows * c).sum()
-    grad_w = acc_w.to(weight.dtype) if acc_w is not None else weight.new_empty(0)
-    del acc_w
-    grad_b = acc_b.to(bias.dtype) if (acc_b is not None and bias is not None) else weight.new_empty(0)
-    return total, rows.put(loss_rows), (rows.put(grad_h) if need_hidden else grad_h), grad_w, grad_b
+        grads.add(start, h_c, grad_h_c, grad_logits)
+        del grad_h_c, grad_logits
+    return ((loss_rows * c).sum(), rows.put(loss_rows), *grads.finish(rows))
 
 
 linear_ce_fused = torch.library.custom_op(f"{_LIB}::linear_ce_fused", mutates_args=())(_linear_ce_fused_impl)

@@ -119,6 +119,41 @@ def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torc
         acc[v0:v1].add_(out)
 
 
+class LinearGrads:
+    """The gradients of hidden, weight and bias, filled chunk by chunk.
+
+    Hidden-gradient rows are written in place; weight and bias gradients are accumulated in
+    fp32 and returned in their own dtype. A gradient that was not asked for is an empty ``[0]``.
+    """
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 need_hidden: bool, need_weight: bool, need_bias: bool) -> None:
+        dev = h.device
+        self.weight, self.bias = weight, bias
+        self.grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else h.new_empty(0)
+        self.need_hidden = need_hidden
+        self.acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+        self.acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+
+    def add(self, start: int, h_c: torch.Tensor, grad_h_c: torch.Tensor, grad_logits: torch.Tensor) -> None:
+        """Fold one chunk in: ``grad_h_c [c, H]`` are rows ``start:start+c``; ``grad_logits [c, V]``."""
+        if self.need_hidden:
+            self.grad_h[start:start + h_c.shape[0]] = grad_h_c
+        if self.acc_w is not None:
+            add_weight_grad(self.acc_w, grad_logits, h_c)
+        if self.acc_b is not None:
+            self.acc_b += grad_logits.sum(dim=0, dtype=torch.float32)
+
+    def finish(self, rows: "ValidRows") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])``, ignored rows back as zeros."""
+        grad_w = self.acc_w.to(self.weight.dtype) if self.acc_w is not None else self.weight.new_empty(0)
+        self.acc_w = None
+        has_b = self.acc_b is not None and self.bias is not None
+        grad_b = self.acc_b.to(self.bias.dtype) if has_b else self.weight.new_empty(0)
+        grad_h = rows.put(self.grad_h) if self.need_hidden else self.grad_h
+        return grad_h, grad_w, grad_b
+
+
 def _linear_ce_backward_impl(
     grad_rows: torch.Tensor,
     hidden: torch.Tensor,
@@ -144,30 +179,17 @@ def _linear_ce_backward_impl(
     opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
     rows = ValidRows.of(labels, ignore_index)
     h, y, lse, grad_rows = (rows.take(t) for t in (hidden, labels, lse, grad_rows))
-    n = h.shape[0]
-    dev = hidden.device
-    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
-    acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
-    acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
+    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias)
+    for start in range(0, h.shape[0], chunk_size):
+        stop = min(start + chunk_size, h.shape[0])
         h_c = h[start:stop]
-        gh_c, g_logits = run_chunk(
+        grad_h_c, grad_logits = run_chunk(
             linear_chunk_backward, compile_chunks, h_c, weight, bias, y[start:stop], lse[start:stop],
             grad_rows[start:stop], row_args=_BACKWARD_ROWS, opts=opts,
         )
-        if need_hidden:
-            grad_h[start:stop] = gh_c
-        del gh_c
-        if acc_w is not None:
-            add_weight_grad(acc_w, g_logits, h_c)
-        if acc_b is not None:
-            acc_b += g_logits.sum(dim=0, dtype=torch.float32)
-        del g_logits
-    grad_w = acc_w.to(weight.dtype) if acc_w is not None else weight.new_empty(0)
-    del acc_w
-    grad_b = acc_b.to(bias.dtype) if (acc_b is not None and bias is not None) else weight.new_empty(0)
-    return (rows.put(grad_h) if need_hidden else grad_h), grad_w, grad_b
+        grads.add(start, h_c, grad_h_c, grad_logits)
+        del grad_h_c, grad_logits
+    return grads.finish(rows)
 
 
 linear_ce_backward = torch.library.custom_op(f"{_LIB}::linear_ce_backward", mutates_args=())(
