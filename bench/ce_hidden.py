@@ -125,8 +125,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] 
     "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", {}, _cce_available),
     "liger fused linear CE (CUDA)": ("bench.ce_hidden:setup_liger", {}, _liger_available),
     "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", {}, lambda d: None),
-    "functional_ce (recompute_logits_in_backward=True)": ("bench.ce_hidden:setup_ours", {"recompute": True},
-                                                     lambda d: None),
+    "functional_ce (recompute_logits_in_backward=True)": (
+        "bench.ce_hidden:setup_ours", {"recompute": True}, lambda d: None),
 }
 
 
