@@ -7,6 +7,10 @@ preserve_rng_state=True)`` (with torch's selective-checkpoint ``context_fn`` for
 type, its children, ``named_parameters``/``named_modules``/``state_dict`` keys and
 ``isinstance`` dispatch stay as they were, and module hooks (FSDP2's included) stay outside
 the checkpoint region, so they run once per step. Undo deletes the attribute.
+
+Under ``torch.compile`` a region whose modules carry a known net-zero context wrapper (the
+``kernels`` package's ``use_kernelized_func``) is traced without dynamo's side-effect check, so
+it stays in one graph (see :mod:`ac_policies.compile_compat`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .compile_compat import compile_safe
 from .plan import Plan, PlanRow, plan
 from .selective import DEFAULT_SAVE_OPS, selective_context_fn
 from .table import PolicyLike
@@ -151,6 +156,7 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable) -> Callable:
     if action == "selective":
         extra["context_fn"] = selective_context_fn(row.rule.ops if row.rule.ops is not None else DEFAULT_SAVE_OPS)
     fqn = row.fqn
+    region = compile_safe(module, fqn, orig)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # no backward, nothing to save or recompute
@@ -158,9 +164,9 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable) -> Callable:
         if action == "offload":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return orig(*args, **kwargs)
-        fn = orig
+        fn = region
         if any(_is_cache(a) for a in args) or any(_is_cache(v) for v in kwargs.values()):
-            fn = _cache_safe(module, fqn, orig, args, kwargs)
+            fn = _cache_safe(module, fqn, region, args, kwargs)
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     functools.update_wrapper(forward, orig, updated=())
