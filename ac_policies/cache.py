@@ -2,8 +2,8 @@
 
 A cache that this step created empty (Transformers builds one when ``use_cache`` is on, as it
 is by default for Qwen3-Next) is written once by the real forward; the recompute in backward
-runs with the cache replaced by None, which for an empty layer computes the same values without
-writing a second time. A cache whose layer already held tokens (or recurrent state) before the
+runs with a throwaway copy of the cache whose layer is still empty, so it takes the same code
+path (op for op, as selective checkpointing requires) without writing the real cache again. A cache whose layer already held tokens (or recurrent state) before the
 step is refused: the recompute could not reproduce the cached prefix.
 
 Every cache layer type Transformers ships is read by duck typing (no transformers import):
@@ -14,6 +14,7 @@ recurrent states, whose ``get_seq_length`` is a 0-d tensor), hybrids of both, an
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
@@ -115,13 +116,39 @@ def cache_safe(module: nn.Module, fqn: str, fn: Callable, args: tuple, kwargs: d
                 "the cache a second time. Train with use_cache=False (or cache=None), call model.eval() for cached "
                 "decoding, or exclude this module with a rule whose action is 'none'."
             )
+    # taken now, while the layer is still empty: the recompute writes into these instead
+    stand_ins = {id(c): _stand_in(c, idx) for c in [*args, *kwargs.values()] if is_cache(c)}
     calls = [0]
 
     def forward_once_with_cache(*a: Any, **kw: Any) -> Any:
         calls[0] += 1
         if calls[0] > 1:  # recompute in backward: the cache already holds this step's entries
-            a = tuple(None if is_cache(x) else x for x in a)
-            kw = {k: (None if is_cache(v) else v) for k, v in kw.items()}
+            a = tuple(stand_ins.get(id(x), x) if is_cache(x) else x for x in a)
+            kw = {k: (stand_ins.get(id(v), v) if is_cache(v) else v) for k, v in kw.items()}
         return fn(*a, **kw)
 
     return forward_once_with_cache
+
+
+def _stand_in(cache: Any, idx: Optional[int]) -> Any:
+    """A throwaway cache whose layer ``idx`` is a copy of the (empty) layer now, or None.
+
+    The recompute then takes the same code path as the real forward (an empty cache, not no
+    cache), so op-level selective checkpointing sees the same op sequence; other layers are
+    shared, unchanged. None (recompute without a cache) for caches without a ``layers`` list.
+    """
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return None
+    try:
+        clone = copy.copy(cache)
+        if idx is None:  # every layer is empty: copy them all
+            clone.layers = copy.deepcopy(layers)
+        else:
+            clone.layers = list(layers[: idx + 1])
+            if idx < len(layers):
+                clone.layers[idx] = copy.deepcopy(layers[idx])
+            clone.layers += layers[idx + 1 :]
+        return clone
+    except Exception:  # noqa: BLE001 - a cache that cannot be copied is recomputed without one
+        return None

@@ -31,7 +31,9 @@ __all__ = ["PRESETS", "resolve_policy", "normalise_name"]
 
 _in_moe = any_of(P["moe"], inside(P["moe"]))
 _mixer = any_of(P["attention"], P["linear_attention"])
-_block_norm = all_of(P["norm"], not_(inside(any_of(P["attention"], P["linear_attention"]))))
+# norms of the block itself: not those inside a mixer or a dense MLP (a vision patch merger's own
+# norm), which are checkpointed with it
+_block_norm = all_of(P["norm"], not_(inside(any_of(P["attention"], P["linear_attention"], P["dense_mlp"]))))
 
 _FULL = Policy((Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),), name="full")
 _SELECTIVE = Policy((Rule(when="decoder_block", action="selective", on_unmatched="error"),), name="selective")
