@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from .cache import cache_safe, has_cache
 from .compile_compat import compile_safe
 from .plan import Plan, PlanRow, plan
-from .selective import DEFAULT_SAVE_OPS, selective_context_fn
+from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
 
 __all__ = ["apply_policy", "PolicyHandle", "applied_row"]
@@ -123,7 +123,7 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list
     # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
     extra: dict[str, Any] = {}
     if action == "selective":
-        extra["context_fn"] = selective_context_fn(row.rule.ops if row.rule.ops is not None else DEFAULT_SAVE_OPS)
+        extra["context_fn"] = selective_context_fn(row.selective or SelectiveOps())
     fqn = row.fqn
     region = compile_safe(module, fqn, orig)
 
