@@ -202,3 +202,22 @@ def test_layers_takes_a_step():
         fqns = [r.fqn for r in ac_policies.plan(build("llama", num_hidden_layers=4), [{"when": {"layers": [0, None, 2]}, "match": "model.layers.?"}])]
     assert fqns == ["model.layers.0", "model.layers.2"]
 
+
+def test_step_bytes_counts_kept_and_peak_activations():
+    """A chain of L bias-free linears then a square: forward keeps the L matmul outputs (n x d
+    fp32 each) and peaks at L + 1 of them; checkpointing the chain keeps none of them."""
+    from ac_policies.measure import step_bytes
+
+    n, d, layers = 16, 8, 5
+    model = torch.nn.Sequential(_Chain(layers))
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(0))
+    none = step_bytes(model, lambda: model(x).sum())
+    one = n * d * 4
+    assert none.kept == layers * one
+    loss, kept = kept_for_backward(model, lambda: model(x).sum())  # the other counter agrees
+    assert kept.live == none.kept
+    assert none.peak >= (layers + 1) * one
+    with ac_policies.apply_policy(model, [{"match": "0", "action": "checkpoint"}]):
+        ckpt = step_bytes(model, lambda: model(x).sum())
+    assert ckpt.kept == 0  # only the region's input, made before the step, is held
+    assert (layers + 1) * one <= ckpt.peak  # the recompute rebuilds the chain in backward
