@@ -156,3 +156,41 @@ def test_policy_then_fsdp2_fully_shard_on_two_gloo_processes(tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(env)
+
+
+class _Routed(torch.nn.Module):
+    """A matmul, a top-k normalised in place (as HF routers do), a second matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        values, _ = torch.topk(h, 2, dim=-1)
+        values /= values.sum(-1, keepdim=True)
+        return self.b(h).tanh() * values.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("rule", [
+    {"match": "0", "action": "selective"},  # default save list, topk included
+    {"match": "0", "action": "selective", "ops": ["aten.mm.default"], "recompute_every": {"k": 2, "ops": ["mm"]}},
+])
+def test_selective_tables_compile_with_fullgraph(rule):
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Routed())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with ac_policies.apply_policy(model, [rule]):
+        torch._dynamo.reset()
+        try:
+            torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum().backward()
+        finally:
+            torch._dynamo.reset()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7)
