@@ -97,16 +97,22 @@ def _resolve_one(name: str) -> Any:
         )
     parts = name.split(".")
     ns, rest = ("aten", parts) if len(parts) == 1 else (parts[0], parts[1:])
-    if ns in ("_c10d_functional", "c10d_functional"):
-        try:  # registers the functional collectives on builds with torch.distributed
+
+    def lookup() -> Any:
+        try:
+            op = getattr(getattr(torch.ops, ns), rest[0])
+            return getattr(op, rest[1]) if len(rest) > 1 else op
+        except (AttributeError, RuntimeError):
+            return None
+
+    found = lookup()
+    if found is None and ns in ("_c10d_functional", "c10d_functional"):
+        try:  # registers the functional collectives where importing torch did not
             importlib.import_module("torch.distributed._functional_collectives")
-        except Exception:  # noqa: BLE001 - not built with distributed: the lookup below says so
-            pass
-    try:
-        op = getattr(getattr(torch.ops, ns), rest[0])
-        return getattr(op, rest[1]) if len(rest) > 1 else op
-    except (AttributeError, RuntimeError):
-        return None
+        except Exception:  # noqa: BLE001 - a build without torch.distributed: unknown op below
+            return None
+        found = lookup()
+    return found
 
 
 @functools.lru_cache(maxsize=256)
