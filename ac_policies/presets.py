@@ -15,11 +15,12 @@
   a selective region saving :data:`TORCHTITAN_SAVE_OPS` (``mm``, the SDPA kernels, ``max``
   over all elements, flex attention, ``reduce_scatter_tensor`` and ``all_to_all_single``)
   except every second ``mm`` of the region, and always recomputing the MoE router's matmul
-  (``*.mlp.gate``, not counted in the alternation), as torchtitan does for ``moe.router.gate``.
+  (``*.mlp.gate`` and the other router names Transformers uses; not counted in the
+  alternation), as torchtitan does for ``moe.router.gate``.
   Not reproduced: torchtitan's rule saving device-to-host ``_to_copy`` outputs (it only
   matters when activations are offloaded from inside a region).
 - ``keep_router``: NeMo's MoE default: the whole block is recomputed except the router's
-  output: its matmul (``*.mlp.gate`` / ``*.mlp.router`` weights) and the ``topk`` routing
+  output: its matmul (the router weights, ``*.mlp.gate`` / ``*.mlp.router`` and the like) and the ``topk`` routing
   decision are saved, so routing never changes between forward and recompute.
 - ``none``: nothing is checkpointed.
 
@@ -82,7 +83,9 @@ TORCHTITAN_SAVE_OPS: tuple[str, ...] = (
     "aten.max.default",
     "higher_order.flex_attention",
 )
-_ROUTERS = ("*.mlp.gate", "*.mlp.router")
+# MoE routers as Hugging Face names them: Qwen/Mixtral/DeepSeek `mlp.gate`, GPT-OSS/JetMoE
+# `mlp.router`, DBRX `ffn.router`, Nemotron-H `mixer.gate`, older Mixtral `block_sparse_moe.gate`
+_ROUTERS = ("*.mlp.gate", "*.mlp.router", "*.ffn.router", "*.mixer.gate", "*.block_sparse_moe.gate")
 _OP_SAC = Policy(
     (
         Rule(
@@ -90,7 +93,7 @@ _OP_SAC = Policy(
             action="selective",
             ops=TORCHTITAN_SAVE_OPS,
             recompute_every={"k": 2, "ops": ["aten.mm.default"]},
-            recompute_matmuls_of=("*.mlp.gate",),
+            recompute_matmuls_of=_ROUTERS,
             on_unmatched="error",
         ),
     ),

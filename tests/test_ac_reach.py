@@ -144,3 +144,18 @@ def test_router_and_experts_run_once_under_non_moe_and_full_reruns_every_block(f
         with ac_policies.apply_policy(model, "full"):
             fwd, bwd = _counts(model, kw, watched)
     assert all(bwd[n] == 1 for n in watched), bwd  # vision blocks included
+
+
+@pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
+@pytest.mark.parametrize("family", list(REACH))
+def test_router_presets_find_every_router_weight(family):
+    """op_sac and keep_router resolve their router globs to each MoE block's router weight."""
+    model = model_of(family)
+    routers = set()
+    for fqn in recognised(model, "moe"):
+        kids = dict(model.get_submodule(fqn).named_children())
+        router = kids.get("gate", kids.get("router"))
+        routers |= {(w.shape[1], w.shape[0]) for n, w in router.named_parameters() if n.endswith("weight")}
+    assert routers
+    assert ac_policies.plan(model, "keep_router")[0].selective.save_shapes == routers
+    assert ac_policies.plan(model, "op_sac")[0].selective.recompute_shapes == routers
