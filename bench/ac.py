@@ -230,7 +230,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
 
 
 def plot(section: Section, out_dir) -> list:
-    """``ac_presets.png``: kept bytes and recompute FLOPs (MoE part stacked) per preset."""
+    """``ac_presets.png``: kept bytes and step peak, and recompute FLOPs (MoE part stacked), per preset."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,13 +239,18 @@ def plot(section: Section, out_dir) -> list:
     results = section.data["results"]
     names = list(results)
     kept = [results[n]["live"] / MIB for n in names]
+    peak = [results[n]["peak"] / MIB for n in names]
     moe = [results[n]["moe_flops"] / 1e9 for n in names]
     rest = [results[n]["flops"] / 1e9 - m for n, m in zip(names, moe)]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(names, kept, color="tab:blue")
-    a.axhline(0.6 * kept[names.index("none")], color="grey", ls=":", lw=1)
-    a.annotate("60% of none", (0, 0.6 * kept[names.index("none")]), fontsize=7, color="grey", va="bottom")
-    a.set_ylabel("activations kept for backward (MiB)")
+    x = range(len(names))
+    a.bar([i - 0.2 for i in x], kept, width=0.4, color="tab:blue", label="kept after forward")
+    a.bar([i + 0.2 for i in x], peak, width=0.4, color="tab:purple", label="step peak")
+    a.set_xticks(list(x), names)
+    a.axhline(0.6 * peak[names.index("none")], color="grey", ls=":", lw=1)
+    a.annotate("60% of none's peak", (0, 0.6 * peak[names.index("none")]), fontsize=7, color="grey", va="bottom")
+    a.set_ylabel("activation bytes (MiB)")
+    a.legend(fontsize=8)
     b.bar(names, rest, label="outside MoE blocks", color="tab:orange")
     b.bar(names, moe, bottom=rest, label="inside MoE blocks", color="tab:red")
     b.set_ylabel("recomputed in backward (GFLOP)")
