@@ -7,7 +7,15 @@ handle = ac_policies.apply_policy(model, "non_moe")  # do it; handle.remove() un
 table = [ac_policies.Rule(match="model.layers.*", when="moe", action="none"),
          {"match": "*", "when": "attention", "action": "checkpoint"}]
 ac_policies.apply_policy(model, table)
+ac_policies.apply_policy(model, "op_sac")            # torchtitan's op-level SAC, as a table
+ac_policies.apply_policy(model, [{"when": "decoder_block", "action": "selective",
+                                  "ops": ["mm", "topk"], "recompute_every": {"k": 2, "ops": ["mm"]},
+                                  "save_matmuls_of": ["*.mlp.gate"]}])
 ```
+
+Regions are entered only in training mode with gradients on; Hugging Face's own gradient
+checkpointing on top of a policy is refused; ``ac_policies.measure.step_bytes`` reports the
+step peak next to the bytes kept after forward.
 """
 
 from .apply import PolicyHandle, apply_policy

@@ -7,6 +7,17 @@ preserve_rng_state=True)`` (with torch's selective-checkpoint ``context_fn`` for
 type, its children, ``named_parameters``/``named_modules``/``state_dict`` keys and
 ``isinstance`` dispatch stay as they were, and module hooks (FSDP2's included) stay outside
 the checkpoint region, so they run once per step. Undo deletes the attribute.
+
+As in Hugging Face, a region is entered only when the module is in training mode and gradients
+are enabled; otherwise the original forward runs as is (eval with a KV cache decodes normally).
+Keyword arguments reach the module untouched whatever their names (they are bound before
+``checkpoint`` sees them). Hugging Face's own gradient checkpointing on a module in, around or
+under a wrapped one is refused with one message, whether it was enabled before
+``apply_policy`` or after (then at the next training forward). Caches: see :mod:`ac_policies.cache`.
+
+Under ``torch.compile`` a region whose modules carry a known net-zero context wrapper (the
+``kernels`` package's ``use_kernelized_func``) is traced without dynamo's side-effect check, so
+it stays in one graph (see :mod:`ac_policies.compile_compat`).
 """
 
 from __future__ import annotations
@@ -19,8 +30,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .cache import cache_safe, has_cache
+from .compile_compat import compile_safe
 from .plan import Plan, PlanRow, plan
-from .selective import DEFAULT_SAVE_OPS, selective_context_fn
+from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
 
 __all__ = ["apply_policy", "PolicyHandle", "applied_row"]
@@ -77,91 +90,57 @@ class PolicyHandle:
         return f"<PolicyHandle {self.plan.policy.name or 'custom'}: {len(self._changes)} module(s), {state}>"
 
 
-def _is_cache(obj: Any) -> bool:
-    """A key/value (or recurrent-state) cache, by duck typing (no transformers import)."""
-    return callable(getattr(obj, "update", None)) and callable(getattr(obj, "get_seq_length", None)) and not isinstance(
-        obj, (dict, torch.Tensor)
-    )
-
-
-def _layer_idx(module: nn.Module) -> Optional[int]:
-    for m in module.modules():
-        idx = getattr(m, "layer_idx", None)
-        if isinstance(idx, int):
-            return idx
+def _hf_flagged(modules: list[tuple[str, nn.Module]], training: bool = True) -> Optional[tuple[str, nn.Module]]:
+    """The first module with Hugging Face gradient checkpointing switched on (and, if ``training``, in training mode)."""
+    for fqn, m in modules:
+        if getattr(m, "gradient_checkpointing", False) is True and (m.training or not training):
+            return fqn, m
     return None
 
 
-def _cached_tokens(cache: Any, idx: Optional[int]) -> Optional[int]:
-    """Tokens the cache already holds for layer ``idx`` (0 when empty); None when it cannot tell."""
-    if idx is None:
-        return None
-    layers = getattr(cache, "layers", None)
-    if isinstance(layers, (list, tuple)) and idx < len(layers):
-        if getattr(layers[idx], "is_initialized", None) is False:
-            return 0
-    try:
-        n = cache.get_seq_length(idx)
-    except Exception:  # noqa: BLE001 - foreign cache types; treated as "cannot tell"
-        return None
-    return int(n) if isinstance(n, int) else None
+def double_checkpointing_error(fqn: str, module: nn.Module) -> ValueError:
+    """The one message for a policy combined with Hugging Face's own gradient checkpointing."""
+    return ValueError(
+        f"activation checkpointing twice: Hugging Face gradient checkpointing is enabled on {fqn or '<root>'} "
+        f"({type(module).__name__}) and an ac_policies policy wraps modules in or around it, so they would be "
+        "recomputed twice. Use one: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() "
+        "on Transformers 5.x), or remove the policy with handle.remove()."
+    )
 
 
-def _cache_safe(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs: dict) -> Callable:
-    """A forward for checkpoint that fills an empty cache once and recomputes without it.
-
-    The first call (the real forward) writes this step's keys/values into the cache, as it would
-    without checkpointing; the recompute in backward runs with the cache replaced by None, which
-    for a layer whose cache was empty computes the same values without a second write. A cache
-    that already holds tokens for the layer is refused: the recompute could not reproduce it.
-    """
-    if torch.compiler.is_compiling():
-        raise ValueError(
-            f"ac_policies: checkpointed module {fqn!r} received a KV cache under torch.compile; "
-            "train with use_cache=False (or cache=None)"
-        )
-    idx = _layer_idx(module)
-    for c in [a for a in args if _is_cache(a)] + [v for v in kwargs.values() if _is_cache(v)]:
-        n = _cached_tokens(c, idx)
-        if n != 0:
-            held = "an unknown number of" if n is None else str(n)
-            raise ValueError(
-                f"ac_policies: checkpointed module {fqn!r} ({type(module).__name__}) received a "
-                f"{type(c).__name__} that already holds {held} token(s) for layer {idx} while gradients are "
-                "enabled; recomputing it in backward would not reproduce the cached state and would write the "
-                "cache a second time. Train with use_cache=False (or cache=None), or exclude this module with a "
-                "rule whose action is 'none'."
-            )
-    calls = [0]
-
-    def forward_once_with_cache(*a: Any, **kw: Any) -> Any:
-        calls[0] += 1
-        if calls[0] > 1:  # recompute in backward: the cache already holds this step's entries
-            a = tuple(None if _is_cache(x) else x for x in a)
-            kw = {k: (None if _is_cache(v) else v) for k, v in kw.items()}
-        return orig(*a, **kw)
-
-    return forward_once_with_cache
+def _related(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
+    """Modules carrying an HF ``gradient_checkpointing`` flag: the module, its ancestors (closest
+    first), then its descendants; the first one switched on names the double checkpointing."""
+    parts = fqn.split(".") if fqn else []
+    chain = [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
+    found = [(a, model.get_submodule(a)) for a in chain]
+    found += [(f"{fqn}.{n}" if fqn else n, m) for n, m in model.get_submodule(fqn).named_modules() if n]
+    return [(n, m) for n, m in found if hasattr(m, "gradient_checkpointing")]
 
 
-def _make_forward(module: nn.Module, row: PlanRow, orig: Callable) -> Callable:
+def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]]) -> Callable:
     action = row.action
     # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
     extra: dict[str, Any] = {}
     if action == "selective":
-        extra["context_fn"] = selective_context_fn(row.rule.ops if row.rule.ops is not None else DEFAULT_SAVE_OPS)
+        extra["context_fn"] = selective_context_fn(row.selective or SelectiveOps())
     fqn = row.fqn
+    region = compile_safe(module, fqn, orig)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():  # no backward, nothing to save or recompute
+        # as Hugging Face does: no region in eval mode (cached decoding) or without gradients (no backward)
+        if not (module.training and torch.is_grad_enabled()):
             return orig(*args, **kwargs)
+        flagged = _hf_flagged(related)
+        if flagged is not None:
+            raise double_checkpointing_error(*flagged)
         if action == "offload":
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return orig(*args, **kwargs)
-        fn = orig
-        if any(_is_cache(a) for a in args) or any(_is_cache(v) for v in kwargs.values()):
-            fn = _cache_safe(module, fqn, orig, args, kwargs)
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        fn = cache_safe(module, fqn, region, args, kwargs) if has_cache(args, kwargs) else region
+        # keyword arguments go to the module through a partial, never to checkpoint itself: names such as
+        # `debug`, `early_stop`, `function` or `context_fn` would otherwise be taken as checkpoint options
+        return checkpoint(functools.partial(fn, **kwargs), *args, use_reentrant=False, preserve_rng_state=True, **extra)
 
     functools.update_wrapper(forward, orig, updated=())
     setattr(forward, _MARK, row)
@@ -183,17 +162,16 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
                 f"{type(model).__name__} already has an activation-checkpointing policy applied "
                 f"({fqn or '<root>'} -> {row.action}); call handle.remove() on it before applying another"
             )
-        if getattr(m, "gradient_checkpointing", False) is True:
-            raise ValueError(
-                f"Hugging Face gradient checkpointing is enabled on {fqn or '<root>'} ({type(m).__name__}); "
-                "call model.activation_checkpointing_disable() (gradient_checkpointing_disable() before Transformers 5.x) "
-                "before apply_policy, or the blocks are checkpointed twice"
-            )
+    related = {row.fqn: _related(model, row.fqn) for row in p.wrapped}
+    for row in p.wrapped:
+        flagged = _hf_flagged(related[row.fqn], training=False)
+        if flagged is not None:
+            raise double_checkpointing_error(*flagged)
     changes: list[tuple[nn.Module, PlanRow, Any, Callable]] = []
     for row in p.wrapped:
         module = model.get_submodule(row.fqn)
         previous = module.__dict__.get("forward", _MISSING)
-        ours = _make_forward(module, row, module.forward)
+        ours = _make_forward(module, row, module.forward, related[row.fqn])
         module.__dict__["forward"] = ours
         changes.append((module, row, previous, ours))
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)

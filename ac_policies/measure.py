@@ -5,6 +5,10 @@
   or by checkpoint's saved inputs and selective cache), and the bytes autograd packed through
   saved-tensor hooks (what a hook-based offloader would see; tensors saved *inside* a
   checkpoint region are recomputed, so the hooks never see them).
+- :func:`step_bytes` runs forward and backward and reports the bytes kept when forward returns
+  next to the step peak: the most activation bytes alive at once over forward plus backward
+  (recompute, activation gradients and backward temporaries included). The peak is what
+  decides out-of-memory; kept bytes only bound the memory held between forward and backward.
 - :func:`flop_counter` is ``FlopCounterMode`` that also counts ``aten._grouped_mm`` (the op
   Hugging Face MoE experts run by default) and the CPU flash-attention kernels, which torch's
   counter does not know.
@@ -29,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-__all__ = ["KeptBytes", "kept_for_backward", "flop_counter", "grouped_mm_flop", "recompute_flops"]
+__all__ = ["KeptBytes", "StepBytes", "kept_for_backward", "step_bytes", "flop_counter", "grouped_mm_flop", "recompute_flops"]
 
 
 def grouped_mm_flop(a_shape, b_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
@@ -181,3 +185,64 @@ def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> 
     live = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in owned and key != loss_ptr)
     saved = sum(n for key, n in packed.items() if key != loss_ptr)
     return loss, KeptBytes(live=live, saved=saved)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Activation bytes of one training step: alive when forward returns, and the highest alive
+    at any op boundary over forward plus backward (the step peak, what decides out-of-memory)."""
+
+    kept: int
+    peak: int
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of op outputs alive after each op, and their maximum."""
+
+    def __init__(self, owned: set) -> None:
+        super().__init__()
+        self.owned = owned
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def total(self) -> int:
+        for key in [k for k, (ref, _) in self.alive.items() if ref.expired()]:
+            del self.alive[key]
+        return sum(n for _, n in self.alive.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                old = self.alive.get(key)
+                if key and key not in self.owned and (old is None or old[0].expired()):
+                    self.alive[key] = (StorageWeakRef(st), st.nbytes())
+        self.peak = max(self.peak, self.total())
+        return out
+
+
+def step_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepBytes:
+    """Run ``forward()`` (returning the loss) and its backward; activation bytes kept and at the peak.
+
+    Parameters, buffers and parameter gradients are excluded: gradients are allocated (zeros)
+    before the step and accumulated into, so only the transient gradient outputs of backward
+    ops count. Everything else an op produces (activations, what checkpointing saves or
+    recomputes, activation gradients) counts while it is alive.
+    """
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    owned |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    mode = _Live(owned)
+    with mode:
+        loss = forward()
+    gc.collect()
+    loss_ptr = loss.untyped_storage().data_ptr()
+    kept = sum(n for key, (ref, n) in mode.alive.items() if not ref.expired() and key != loss_ptr)
+    with mode:
+        loss.backward()
+    del loss
+    return StepBytes(kept=kept, peak=mode.peak)

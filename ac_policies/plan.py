@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import warnings
-from typing import Iterable
+from typing import Iterable, Optional
 
+import torch
 from torch import nn
 
 from .predicates import NAMED_PREDICATES, planning
 from .presets import resolve_policy
 from .rules import Rule
+from .selective import DEFAULT_SAVE_OPS, SelectiveOps
 from .table import Policy, PolicyLike
 
 __all__ = ["PlanRow", "Plan", "plan", "ACPolicyWarning"]
@@ -28,13 +31,54 @@ class ACPolicyWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
-    """One module a rule matched: its name, the rule (and its index in the table), the action."""
+    """One module a rule matched: its name, the rule (and its index in the table), the action.
+
+    ``selective``: for a ``selective`` row, the rule's op choices with module globs resolved
+    to weight shapes.
+    """
 
     fqn: str
     rule_index: int
     rule: Rule
     action: str
     module_type: str
+    selective: Optional[SelectiveOps] = None
+
+
+def _matmul_shapes(model: nn.Module, globs: tuple[str, ...], unmatched: list[str]) -> frozenset:
+    """Shapes of ``weight.t()`` (as ``mm`` sees it) for the 2-D weights of every module matching a glob.
+
+    A matched module's weights include its descendants' (a router whose linear is a child).
+    ``globs`` are alternatives: only when none matches is the list reported as unmatched.
+    """
+    shapes = set()
+    for glob in globs:
+        hits = [(fqn, m) for fqn, m in model.named_modules() if fnmatch.fnmatchcase(fqn, glob)]
+        weights = [w for _, m in hits for n, w in m.named_parameters() if n.rpartition(".")[2] == "weight" and w.dim() == 2]
+        if hits and not weights:
+            fqn, m = hits[0]
+            raise ValueError(
+                f"matmul glob {glob!r} matched {fqn!r} ({type(m).__name__}) and holds no 2-D weight; "
+                "name modules holding a linear weight (nn.Linear, a MoE router), e.g. '*.mlp.gate'"
+            )
+        shapes.update((int(w.shape[1]), int(w.shape[0])) for w in weights)
+    if globs and not shapes:
+        unmatched.append(", ".join(globs))
+    return frozenset(shapes)
+
+
+def _selective_specs(model: nn.Module, table: Policy, unmatched: list[str]) -> dict[int, SelectiveOps]:
+    specs = {}
+    for i, rule in enumerate(table.rules):
+        if rule.action != "selective":
+            continue
+        specs[i] = SelectiveOps(
+            save=rule.ops if rule.ops is not None else DEFAULT_SAVE_OPS,
+            every=rule.recompute_every,
+            recompute_shapes=_matmul_shapes(model, rule.recompute_matmuls_of or (), unmatched),
+            save_shapes=_matmul_shapes(model, rule.save_matmuls_of or (), unmatched),
+        )
+    return specs
 
 
 def _under(child: str, parent: str) -> bool:
@@ -98,6 +142,8 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
     hit = [False] * len(table)
     moe_fqns: list[str] = []
     is_moe = NAMED_PREDICATES["moe"]
+    unmatched_globs: list[str] = []
+    specs = _selective_specs(model, table, unmatched_globs)
     with planning(model):
         for fqn, module in model.named_modules():
             if is_moe(fqn, module):
@@ -107,7 +153,7 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
                 continue
             i, rule = found
             hit[i] = True
-            rows.append(PlanRow(fqn, i, rule, rule.action, type(module).__name__))
+            rows.append(PlanRow(fqn, i, rule, rule.action, type(module).__name__, specs.get(i)))
     unmatched = [i for i, h in enumerate(hit) if not h and table.rules[i].on_unmatched != "ignore"]
     required = [i for i in unmatched if table.rules[i].on_unmatched == "error"]
     model_type = type(model).__name__
@@ -125,6 +171,7 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
     moe_hit = sorted({m for m in moe_fqns for w in recomputing if m == w or _under(m, w) or _under(w, m)})
     result = Plan(rows, policy=table, unmatched=unmatched, nested=nested, moe_recomputed=moe_hit, model_type=model_type)
     problems = [f"rule {i} ({table.rules[i]}) matched no module of {model_type}" for i in unmatched]
+    problems += [f"matmul globs [{g}] matched no module of {model_type}" for g in unmatched_globs]
     problems += [f"nested wrapped regions: {inner!r} inside {outer!r} (the inner one is recomputed twice)" for outer, inner in nested]
     if problems and strict:
         raise ValueError("strict plan rejected: " + "; ".join(problems) + ". Fix the table or pass strict=False.")

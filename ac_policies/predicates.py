@@ -2,19 +2,8 @@
 
 A :class:`Predicate` is a named callable with an optional config form (``spec``), so that a
 table using it prints readably (``moe | inside(moe)``) and converts to and from plain data.
-Built-in predicates recognise modules by *structure* (the names and kinds of their children),
-never by model family, so stock Hugging Face models work without per-family code:
-
-- ``moe``: a router child (``gate`` / ``router``) plus an experts child (``experts``);
-- ``attention``: a query projection plus an output projection (``q_proj``/``o_proj``, MLA's
-  ``q_a_proj``, fused ``qkv_proj``, ...), and not linear attention;
-- ``linear_attention``: a causal ``Conv1d`` child plus input and output projections
-  (gated delta-net, Mamba-style mixers);
-- ``norm``: a normalisation layer (``nn.LayerNorm``/``nn.RMSNorm``/``GroupNorm`` or a class
-  whose name contains ``Norm``) holding only 1-D parameters;
-- ``dense_mlp``: a gated or plain feed-forward (``gate_proj``/``up_proj``/``down_proj``,
-  ``fc1``/``fc2``, ...), never a MoE block;
-- ``decoder_block``: a module with an attention-like child and an MLP-like child.
+Built-in predicates recognise modules by *structure* (see :mod:`ac_policies.structure`):
+``moe``, ``attention``, ``linear_attention``, ``norm``, ``dense_mlp``, ``decoder_block``.
 
 Parameterised predicates: ``layers(start, stop)`` (the first integer component of the name,
 ``start <= i < stop``) and ``inside(pred)`` (some strict ancestor satisfies ``pred``). Combine
@@ -23,11 +12,20 @@ with :func:`all_of`, :func:`any_of`, :func:`not_` or the operators ``&``, ``|``,
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
+
+from .structure import (
+    is_attention,
+    is_decoder_block,
+    is_dense_mlp,
+    is_linear_attention,
+    is_moe,
+    is_norm,
+    planning,
+    planning_root,
+)
 
 __all__ = [
     "Predicate",
@@ -44,21 +42,6 @@ __all__ = [
 
 PredicateFn = Callable[[str, nn.Module], bool]
 Spec = Union[str, dict]
-
-# The model being planned: ``inside`` needs a module's ancestors, which ``(fqn, module)`` alone
-# does not give. ``plan`` sets it; evaluating ``inside`` outside a plan raises.
-_ROOT: contextvars.ContextVar[Optional[nn.Module]] = contextvars.ContextVar("ac_policies_root", default=None)
-
-
-@contextlib.contextmanager
-def planning(root: nn.Module) -> Iterator[None]:
-    """Make ``root`` the model that ancestor-aware predicates (``inside``) look up."""
-    token = _ROOT.set(root)
-    try:
-        yield
-    finally:
-        _ROOT.reset(token)
-
 
 class Predicate:
     """A named ``(fqn, module) -> bool`` test with an optional config form.
@@ -162,22 +145,28 @@ def _layer_index(fqn: str) -> Optional[int]:
     return None
 
 
-def layers(start: int = 0, stop: Optional[int] = None) -> Predicate:
-    """Modules whose first integer name component ``i`` has ``start <= i < stop`` (``stop=None``: no end).
+def layers(start: int = 0, stop: Optional[int] = None, step: int = 1) -> Predicate:
+    """Modules whose first integer name component ``i`` is in ``range(start, stop, step)`` (``stop=None``: no end).
 
     ``model.layers.3.mlp`` has layer index 3; names without an integer component never match.
+    ``layers(0, None, 2)`` is every second layer from the first (what torchtitan calls a
+    checkpointing frequency of 2).
     """
     for label, v in (("start", start), ("stop", stop)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise TypeError(f"layers({label}=...) must be a non-negative int or None, got {v!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"layers(step=...) must be a positive int (1: every layer, 2: every second), got {step!r}")
     if stop is not None and stop <= start:
         raise ValueError(f"layers(start, stop) needs start < stop, got start={start}, stop={stop}")
 
     def test(fqn: str, module: nn.Module) -> bool:
         i = _layer_index(fqn)
-        return i is not None and i >= start and (stop is None or i < stop)
+        return i is not None and i >= start and (stop is None or i < stop) and (i - start) % step == 0
 
-    return Predicate(test, f"layers({start}, {stop})", {"layers": [start, stop]})
+    if step == 1:
+        return Predicate(test, f"layers({start}, {stop})", {"layers": [start, stop]})
+    return Predicate(test, f"layers({start}, {stop}, {step})", {"layers": [start, stop, step]})
 
 
 def inside(pred: Any) -> Predicate:
@@ -185,7 +174,7 @@ def inside(pred: Any) -> Predicate:
     p = resolve_predicate(pred)
 
     def test(fqn: str, module: nn.Module) -> bool:
-        root = _ROOT.get()
+        root = planning_root()
         if root is None:
             raise ValueError(
                 f"inside({p.name}) needs the whole model to find ancestors; evaluate it through "
@@ -204,74 +193,13 @@ def inside(pred: Any) -> Predicate:
     return Predicate(test, f"inside({p.name})", spec)
 
 
-# ---- structural tests -------------------------------------------------------------------
-
-_ROUTER_NAMES = frozenset({"gate", "router"})
-_EXPERTS_NAMES = frozenset({"experts", "local_experts"})
-_Q_NAMES = frozenset({"q_proj", "qkv_proj", "q_a_proj", "query_key_value", "c_attn", "Wqkv", "qkv", "query", "q"})
-_OUT_NAMES = frozenset({"o_proj", "out_proj", "dense", "c_proj", "wo", "proj", "o"})
-_MLP_PAIRS = (
-    ("up_proj", "down_proj"),
-    ("gate_up_proj", "down_proj"),
-    ("fc1", "fc2"),
-    ("c_fc", "c_proj"),
-    ("w1", "w2"),
-    ("dense_h_to_4h", "dense_4h_to_h"),
-    ("wi", "wo"),
-)
-
-
-def _children(module: nn.Module) -> dict[str, nn.Module]:
-    return dict(module.named_children())
-
-
-def _is_moe(fqn: str, module: nn.Module) -> bool:
-    kids = _children(module)
-    return bool(_ROUTER_NAMES & kids.keys()) and bool(_EXPERTS_NAMES & kids.keys())
-
-
-def _is_linear_attention(fqn: str, module: nn.Module) -> bool:
-    kids = _children(module)
-    has_conv = any(isinstance(m, nn.Conv1d) for m in kids.values())
-    has_in = any(n.startswith("in_proj") for n in kids) or bool({"q_proj", "k_proj"} <= kids.keys())
-    has_out = bool({"out_proj", "o_proj"} & kids.keys())
-    return has_conv and has_in and has_out
-
-
-def _is_attention(fqn: str, module: nn.Module) -> bool:
-    kids = _children(module)
-    return bool(_Q_NAMES & kids.keys()) and bool(_OUT_NAMES & kids.keys()) and not _is_linear_attention(fqn, module)
-
-
-def _is_norm(fqn: str, module: nn.Module) -> bool:
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)):
-        return True
-    if "Norm" not in type(module).__name__:
-        return False
-    if any(True for _ in module.children()):
-        return False
-    return all(p.dim() <= 1 for p in module.parameters(recurse=False))
-
-
-def _is_dense_mlp(fqn: str, module: nn.Module) -> bool:
-    kids = _children(module)
-    return any(a in kids and b in kids for a, b in _MLP_PAIRS) and not _is_moe(fqn, module)
-
-
-def _is_decoder_block(fqn: str, module: nn.Module) -> bool:
-    kids = _children(module).items()
-    mixer = any(_is_attention(f"{fqn}.{n}", m) or _is_linear_attention(f"{fqn}.{n}", m) for n, m in kids)
-    ffn = any(_is_moe(f"{fqn}.{n}", m) or _is_dense_mlp(f"{fqn}.{n}", m) for n, m in kids)
-    return mixer and ffn
-
-
 NAMED_PREDICATES: dict[str, Predicate] = {
-    "moe": Predicate(_is_moe, "moe", "moe"),
-    "attention": Predicate(_is_attention, "attention", "attention"),
-    "linear_attention": Predicate(_is_linear_attention, "linear_attention", "linear_attention"),
-    "norm": Predicate(_is_norm, "norm", "norm"),
-    "dense_mlp": Predicate(_is_dense_mlp, "dense_mlp", "dense_mlp"),
-    "decoder_block": Predicate(_is_decoder_block, "decoder_block", "decoder_block"),
+    "moe": Predicate(is_moe, "moe", "moe"),
+    "attention": Predicate(is_attention, "attention", "attention"),
+    "linear_attention": Predicate(is_linear_attention, "linear_attention", "linear_attention"),
+    "norm": Predicate(is_norm, "norm", "norm"),
+    "dense_mlp": Predicate(is_dense_mlp, "dense_mlp", "dense_mlp"),
+    "decoder_block": Predicate(is_decoder_block, "decoder_block", "decoder_block"),
 }
 _BUILTIN = frozenset(NAMED_PREDICATES)
 
@@ -316,9 +244,9 @@ def resolve_predicate(value: Any) -> Predicate:
         if key == "inside":
             return inside(arg)
         if key == "layers":
-            if not isinstance(arg, (list, tuple)) or len(arg) != 2:
-                raise TypeError(f"layers takes [start, stop], got {arg!r}")
-            return layers(arg[0], arg[1])
+            if not isinstance(arg, (list, tuple)) or len(arg) not in (2, 3):
+                raise TypeError(f"layers takes [start, stop] or [start, stop, step], got {arg!r}")
+            return layers(*arg)
         raise ValueError(f"unknown predicate key {key!r}; expected all_of, any_of, not, layers or inside")
     if callable(value):
         return predicate(value)

@@ -11,6 +11,17 @@
   activations, e.g. for fused attention kernels that are costly to rerun). Linear-attention
   mixers (gated delta-net, Mamba-style) are still checkpointed: their saved chunk states are
   large and their recompute is cheap. Requires a MoE block.
+- ``op_sac``: torchtitan's op-level selective checkpointing, as data: every decoder block is
+  a selective region saving :data:`TORCHTITAN_SAVE_OPS` (``mm``, the SDPA kernels, ``max``
+  over all elements, flex attention, ``reduce_scatter_tensor`` and ``all_to_all_single``)
+  except every second ``mm`` of the region, and always recomputing the MoE router's matmul
+  (``*.mlp.gate`` and the other router names Transformers uses; not counted in the
+  alternation), as torchtitan does for ``moe.router.gate``.
+  Not reproduced: torchtitan's rule saving device-to-host ``_to_copy`` outputs (it only
+  matters when activations are offloaded from inside a region).
+- ``keep_router``: NeMo's MoE default: the whole block is recomputed except the router's
+  output: its matmul (the router weights, ``*.mlp.gate`` / ``*.mlp.router`` and the like) and the ``topk`` routing
+  decision are saved, so routing never changes between forward and recompute.
 - ``none``: nothing is checkpointed.
 
 Names are normalised (case, ``-``/``_``/spaces); ``True`` means ``full`` and ``False``/``None``
@@ -27,11 +38,13 @@ from .predicates import all_of, any_of, inside, not_
 from .rules import Rule
 from .table import Policy, PolicyLike
 
-__all__ = ["PRESETS", "resolve_policy", "normalise_name"]
+__all__ = ["PRESETS", "TORCHTITAN_SAVE_OPS", "resolve_policy", "normalise_name"]
 
 _in_moe = any_of(P["moe"], inside(P["moe"]))
 _mixer = any_of(P["attention"], P["linear_attention"])
-_block_norm = all_of(P["norm"], not_(inside(any_of(P["attention"], P["linear_attention"]))))
+# norms of the block itself: not those inside a mixer or a dense MLP (a vision patch merger's own
+# norm), which are checkpointed with it
+_block_norm = all_of(P["norm"], not_(inside(any_of(P["attention"], P["linear_attention"], P["dense_mlp"]))))
 
 _FULL = Policy((Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),), name="full")
 _SELECTIVE = Policy((Rule(when="decoder_block", action="selective", on_unmatched="error"),), name="selective")
@@ -56,12 +69,49 @@ _NON_MOE_NO_ATTN = Policy(
 )
 _NONE = Policy((), name="none")
 
+# torchtitan's op-level SAC save list (torchtitan/distributed/activation_checkpoint.py, 2025),
+# written as op names: exact overloads where torchtitan lists ``.default``.
+TORCHTITAN_SAVE_OPS: tuple[str, ...] = (
+    "aten.mm.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_attention_math.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_to_all_single.default",
+    "aten.max.default",
+    "higher_order.flex_attention",
+)
+# MoE routers as Hugging Face names them: Qwen/Mixtral/DeepSeek `mlp.gate`, GPT-OSS/JetMoE
+# `mlp.router`, DBRX `ffn.router`, Nemotron-H `mixer.gate`, older Mixtral `block_sparse_moe.gate`
+_ROUTERS = ("*.mlp.gate", "*.mlp.router", "*.ffn.router", "*.mixer.gate", "*.block_sparse_moe.gate")
+_OP_SAC = Policy(
+    (
+        Rule(
+            when="decoder_block",
+            action="selective",
+            ops=TORCHTITAN_SAVE_OPS,
+            recompute_every={"k": 2, "ops": ["aten.mm.default"]},
+            recompute_matmuls_of=_ROUTERS,
+            on_unmatched="error",
+        ),
+    ),
+    name="op_sac",
+)
+_KEEP_ROUTER = Policy(
+    (Rule(when="decoder_block", action="selective", ops=("topk",), save_matmuls_of=_ROUTERS, on_unmatched="error"),),
+    name="keep_router",
+)
+
 PRESETS: Mapping[str, Policy] = MappingProxyType(
     {
         "full": _FULL,
         "selective": _SELECTIVE,
         "non_moe": _NON_MOE,
         "non_moe_no_attn": _NON_MOE_NO_ATTN,
+        "op_sac": _OP_SAC,
+        "keep_router": _KEEP_ROUTER,
         "none": _NONE,
     }
 )

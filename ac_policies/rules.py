@@ -9,7 +9,7 @@ from typing import Any, Optional
 from torch import nn
 
 from .predicates import _paren, resolve_predicate
-from .selective import resolve_ops
+from .selective import Every, resolve_ops
 
 __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 
@@ -19,7 +19,8 @@ __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 # none:       leave the module alone (stops later rules from matching it).
 ACTIONS = ("checkpoint", "selective", "offload", "none")
 
-_KEYS = ("match", "when", "action", "ops", "on_unmatched")
+_KEYS = ("match", "when", "action", "ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of", "on_unmatched")
+_SELECTIVE_ONLY = ("ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of")
 # what planning does when a rule matches no module of the model
 ON_UNMATCHED = ("warn", "error", "ignore")
 
@@ -32,8 +33,13 @@ class Rule:
     sensitive; ``*`` also crosses dots, so ``model.layers.*.mlp`` matches ``model.layers.3.mlp``
     but never ``model.layers.3.mlp_norm``). ``when``: an optional structural predicate (a name
     such as ``"moe"``, a config dict, a :class:`Predicate` or any ``(fqn, module) -> bool``).
-    ``action``: one of :data:`ACTIONS`. ``ops``: aten op names a ``selective`` rule saves
-    (``None``: :data:`~ac_policies.selective.DEFAULT_SAVE_OPS`). ``on_unmatched``: what
+    ``action``: one of :data:`ACTIONS`. ``selective`` rules also take (see
+    :mod:`ac_policies.selective`): ``ops``, the op names whose outputs are saved (aten,
+    functional collectives, higher-order ops; ``None``:
+    :data:`~ac_policies.selective.DEFAULT_SAVE_OPS`); ``recompute_every``, ``{"k": 2, "ops":
+    ["mm"]}`` to recompute every k-th call of those ops; ``recompute_matmuls_of`` and
+    ``save_matmuls_of``, module globs whose weights' matmuls are always recomputed or always
+    saved (resolved at plan time). ``on_unmatched``: what
     planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
     (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows
     covering module kinds a model may lack, such as dense MLPs in an all-MoE model).
@@ -43,6 +49,9 @@ class Rule:
     when: Optional[Any] = None
     action: str = "checkpoint"
     ops: Optional[tuple[str, ...]] = None
+    recompute_every: Optional[Every] = None
+    recompute_matmuls_of: Optional[tuple[str, ...]] = None
+    save_matmuls_of: Optional[tuple[str, ...]] = None
     on_unmatched: str = "warn"
 
     def __post_init__(self) -> None:
@@ -53,13 +62,22 @@ class Rule:
         object.__setattr__(self, "action", self.action.strip().lower())
         if self.when is not None:
             object.__setattr__(self, "when", resolve_predicate(self.when))
+        for key in _SELECTIVE_ONLY:
+            if getattr(self, key) is not None and self.action != "selective":
+                raise ValueError(f"Rule.{key} only applies to action='selective', got {key} with action={self.action!r}")
         if self.ops is not None:
-            if self.action != "selective":
-                raise ValueError(f"Rule.ops only applies to action='selective', got ops with action={self.action!r}")
             if isinstance(self.ops, str) or not all(isinstance(o, str) for o in self.ops):
-                raise TypeError(f"Rule.ops must be a list of aten op names, got {self.ops!r}")
+                raise TypeError(f"Rule.ops must be a list of op names like ['mm', 'topk'], got {self.ops!r}")
             object.__setattr__(self, "ops", tuple(self.ops))
             resolve_ops(self.ops)  # fail at construction, not mid-forward
+        if self.recompute_every is not None:
+            object.__setattr__(self, "recompute_every", Every.from_value(self.recompute_every))
+        for key in ("recompute_matmuls_of", "save_matmuls_of"):
+            globs = getattr(self, key)
+            if globs is not None:
+                if isinstance(globs, str) or not globs or not all(isinstance(g, str) and g for g in globs):
+                    raise TypeError(f"Rule.{key} must be a non-empty list of module globs like ['*.mlp.gate'], got {globs!r}")
+                object.__setattr__(self, key, tuple(globs))
         if self.on_unmatched not in ON_UNMATCHED:
             raise ValueError(f"Rule.on_unmatched must be one of {list(ON_UNMATCHED)}, got {self.on_unmatched!r}")
 
@@ -75,6 +93,11 @@ class Rule:
             parts.append(_paren(self.when, (" | ",)) if parts else self.when.name)
         text = " & ".join(parts) or "*"
         ops = f" ops={list(self.ops)}" if self.ops is not None else ""
+        if self.recompute_every is not None:
+            ops += f" recompute_every={self.recompute_every.to_dict()}"
+        for key in ("recompute_matmuls_of", "save_matmuls_of"):
+            if getattr(self, key) is not None:
+                ops += f" {key}={list(getattr(self, key))}"
         req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
         return f"{text} -> {self.action}{ops}{req}"
 
@@ -92,6 +115,11 @@ class Rule:
             out["when"] = self.when.spec
         if self.ops is not None:
             out["ops"] = list(self.ops)
+        if self.recompute_every is not None:
+            out["recompute_every"] = self.recompute_every.to_dict()
+        for key in ("recompute_matmuls_of", "save_matmuls_of"):
+            if getattr(self, key) is not None:
+                out[key] = list(getattr(self, key))
         if self.on_unmatched != "warn":
             out["on_unmatched"] = self.on_unmatched
         return out
@@ -107,6 +135,7 @@ class Rule:
         if extra:
             raise ValueError(f"unknown rule keys {sorted(extra)}; expected some of {list(_KEYS)}")
         kw = dict(data)
-        if kw.get("ops") is not None:
-            kw["ops"] = tuple(kw["ops"])
+        for key in ("ops", "recompute_matmuls_of", "save_matmuls_of"):
+            if isinstance(kw.get(key), list):
+                kw[key] = tuple(kw[key])
         return cls(**kw)

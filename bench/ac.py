@@ -2,7 +2,7 @@
 
 For every preset, side by side with no checkpointing in the same run: activation bytes kept
 for backward (storages still referenced after forward, and bytes packed by saved-tensor
-hooks), recompute FLOPs (``FlopCounterMode`` over forward+backward, minus the same count
+hooks), the step peak (most activation bytes alive at once over forward plus backward), recompute FLOPs (``FlopCounterMode`` over forward+backward, minus the same count
 without checkpointing) with the MoE blocks' share, and the median step time.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 import ac_policies
-from ac_policies.measure import kept_for_backward, recompute_flops
+from ac_policies.measure import kept_for_backward, recompute_flops, step_bytes
 
 from .report import Section, Table, ratio
 
@@ -83,8 +83,10 @@ def measure_preset(model, preset: str, ids: torch.Tensor, moe_fqns: list[str]) -
     with _applied(model, preset) as handle:
         model.zero_grad(set_to_none=True)
         flops, moe_flops = recompute_flops(model, forward, moe_fqns)
+        peak = step_bytes(model, step).peak
     kb = kept["bytes"]
-    return {"wrapped": len(handle.plan.wrapped), "live": kb.live, "saved": kb.saved, "flops": flops, "moe_flops": moe_flops}
+    return {"wrapped": len(handle.plan.wrapped), "live": kb.live, "saved": kb.saved, "peak": peak,
+            "flops": flops, "moe_flops": moe_flops}
 
 
 def _applied(model, variant: str) -> ac_policies.PolicyHandle:
@@ -124,7 +126,7 @@ def _moe_fqns(model) -> list[str]:
 
 
 def sensitivity(args: argparse.Namespace, tick: Callable[[str], None]) -> list[list[Any]]:
-    """Kept bytes of none, non_moe and the MoE-selective table on other MoE shapes (forward only)."""
+    """Kept bytes and step peaks of none, non_moe and the MoE-selective table on other MoE shapes."""
     shapes = {
         "query 8x32 = hidden (Llama/Mixtral-like)": dict(head_dim=32),
         "top-8 of 32, intermediate 96 (Qwen3-30B-A3B-like)": dict(num_experts=32, num_experts_per_tok=8, moe_intermediate_size=96),
@@ -135,15 +137,18 @@ def sensitivity(args: argparse.Namespace, tick: Callable[[str], None]) -> list[l
     for label, over in shapes.items():
         tick(f"ac sensitivity: {label}")
         model = build(model_config(args.ac_seq, args.ac_layers, **over), args.device)
-        kept = {}
+        got = {}
         for variant in ("none", "non_moe", MOE_SELECTIVE):
             with _applied(model, variant):
-                loss, kb = kept_for_backward(model, lambda: model(input_ids=ids, labels=ids).loss)
-                kept[variant] = kb.live
-                del loss
-        rows.append([label, kept["none"] / MIB, kept["non_moe"] / MIB, ratio(kept["non_moe"], kept["none"]),
-                     kept[MOE_SELECTIVE] / MIB, ratio(kept[MOE_SELECTIVE], kept["none"])])
+                got[variant] = step_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
+        rows.append(_sensitivity_row(label, {k: (v.kept, v.peak) for k, v in got.items()}))
     return rows
+
+
+def _sensitivity_row(label: str, got: dict[str, tuple[int, int]]) -> list[Any]:
+    """``got``: variant -> (kept, peak) bytes."""
+    (kn, pn), (km, pm), (ks, ps) = got["none"], got["non_moe"], got[MOE_SELECTIVE]
+    return [label, kn / MIB, pn / MIB, ratio(km, kn), ratio(pm, pn), ratio(ks, kn), ratio(ps, pn)]
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -171,8 +176,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     for preset, r in results.items():
         recompute, moe_recompute = r["flops"], r["moe_flops"]
         rows.append([
-            preset, r["wrapped"], r["live"] / MIB, ratio(r["live"], base["live"]), r["saved"] / MIB,
-            recompute / 1e9, moe_recompute / 1e9, ratio(moe_recompute, recompute), r["ms"], ratio(r["ms"], base["ms"]),
+            preset, r["wrapped"], r["live"] / MIB, ratio(r["live"], base["live"]), r["peak"] / MIB,
+            ratio(r["peak"], base["peak"]), r["saved"] / MIB, recompute / 1e9, moe_recompute / 1e9,
+            ratio(moe_recompute, recompute), r["ms"], ratio(r["ms"], base["ms"]),
         ])
     model_desc = (
         f"Qwen3-MoE, {args.ac_layers} layers, hidden 256, 8x64 query heads, 4 KV heads, 8 experts top-2 "
@@ -180,14 +186,17 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     )
     table = Table(
         title=f"activation checkpointing presets on a small MoE model ({args.device})",
-        columns=["preset", "wrapped", "kept (MiB)", "x none", "hooks (MiB)", "recompute (GFLOP)",
-                 "MoE recompute (GFLOP)", "MoE share", "best step (ms)", "x none"],
+        columns=["preset", "wrapped", "kept (MiB)", "x none", "step peak (MiB)", "x none", "hooks (MiB)",
+                 "recompute (GFLOP)", "MoE recompute (GFLOP)", "MoE share", "best step (ms)", "x none"],
         rows=rows,
         baseline="none: the same model without checkpointing, same run",
         notes=[
             f"model: {model_desc}",
             "kept = bytes of forward-op outputs still referenced when forward returns (autograd's saved "
             "tensors, checkpoint inputs, selective's cache), parameters and the loss excluded",
+            "step peak = the most activation bytes alive at once over forward plus backward (recompute, "
+            "activation gradients and backward temporaries included; parameters and their gradients excluded): "
+            "what decides out-of-memory; kept only bounds what is held between forward and backward",
             "hooks = bytes packed by saved-tensor hooks; these miss selective's cached matmul outputs",
             "recompute = FLOPs of forward ops rerun during backward (torch's FLOP formulas plus _grouped_mm "
             "and CPU flash attention); MoE = the part run inside the MoE blocks (router, experts, shared experts)",
@@ -196,28 +205,32 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
         ],
         command=_command(args),
     )
-    live = {k: r["live"] for k, r in results.items()}
-    sens = [["the model above", live["none"] / MIB, live["non_moe"] / MIB, ratio(live["non_moe"], live["none"]),
-             live[MOE_SELECTIVE] / MIB, ratio(live[MOE_SELECTIVE], live["none"])]] + sensitivity(args, tick)
+    first = {k: (results[k]["live"], results[k]["peak"]) for k in ("none", "non_moe", MOE_SELECTIVE)}
+    sens = [_sensitivity_row("the model above", first)] + sensitivity(args, tick)
     table2 = Table(
-        title=f"kept bytes vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
-        columns=["shape", "none (MiB)", "non_moe (MiB)", "x none", "MoE-selective table (MiB)", "x none"],
+        title=f"kept bytes and step peak vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
+        columns=["shape", "none kept (MiB)", "none peak (MiB)", "non_moe kept x none", "non_moe peak x none",
+                 "MoE-selective kept x none", "MoE-selective peak x none"],
         rows=sens,
         baseline="none on the same shape",
         notes=["non_moe keeps every activation of the MoE blocks by design, so the saving shrinks as "
                "the experts' share of activations grows (many small experts per token, or large ones)",
+               "peak ratios are closer to 1 than kept ratios: backward holds activation gradients and "
+               "temporaries no policy removes, and recompute rebuilds a region's activations",
                f"MoE-selective table = {MOE_SELECTIVE!r} in the table above: it reruns no matmul inside the "
                "MoE blocks but does rerun their gathers, routing arithmetic and activations"],
         command=_command(args),
     )
     data = {"config": cfg, "seq": args.ac_seq, "results": results,
-            "sensitivity": {r[0]: {"none": r[1], "non_moe": r[2], MOE_SELECTIVE: r[4]} for r in sens},
+            "sensitivity": {r[0]: {"none_kept_mib": r[1], "none_peak_mib": r[2], "non_moe_kept_x": r[3],
+                                   "non_moe_peak_x": r[4], "moe_selective_kept_x": r[5], "moe_selective_peak_x": r[6]}
+                            for r in sens},
             "moe_selective_table": MOE_SELECTIVE_TABLE}
     return Section(name="ac: activation-checkpointing policies", tables=[table, table2], data=data)
 
 
 def plot(section: Section, out_dir) -> list:
-    """``ac_presets.png``: kept bytes and recompute FLOPs (MoE part stacked) per preset."""
+    """``ac_presets.png``: kept bytes and step peak, and recompute FLOPs (MoE part stacked), per preset."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,13 +239,18 @@ def plot(section: Section, out_dir) -> list:
     results = section.data["results"]
     names = list(results)
     kept = [results[n]["live"] / MIB for n in names]
+    peak = [results[n]["peak"] / MIB for n in names]
     moe = [results[n]["moe_flops"] / 1e9 for n in names]
     rest = [results[n]["flops"] / 1e9 - m for n, m in zip(names, moe)]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(names, kept, color="tab:blue")
-    a.axhline(0.6 * kept[names.index("none")], color="grey", ls=":", lw=1)
-    a.annotate("60% of none", (0, 0.6 * kept[names.index("none")]), fontsize=7, color="grey", va="bottom")
-    a.set_ylabel("activations kept for backward (MiB)")
+    x = range(len(names))
+    a.bar([i - 0.2 for i in x], kept, width=0.4, color="tab:blue", label="kept after forward")
+    a.bar([i + 0.2 for i in x], peak, width=0.4, color="tab:purple", label="step peak")
+    a.set_xticks(list(x), names)
+    a.axhline(0.6 * peak[names.index("none")], color="grey", ls=":", lw=1)
+    a.annotate("60% of none's peak", (0, 0.6 * peak[names.index("none")]), fontsize=7, color="grey", va="bottom")
+    a.set_ylabel("activation bytes (MiB)")
+    a.legend(fontsize=8)
     b.bar(names, rest, label="outside MoE blocks", color="tab:orange")
     b.bar(names, moe, bottom=rest, label="inside MoE blocks", color="tab:red")
     b.set_ylabel("recomputed in backward (GFLOP)")

@@ -47,6 +47,68 @@ def test_policy_then_compile_keeps_every_checkpoint_region_and_gradients():
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-6)
 
 
+class _Calls:
+    n = 0
+
+
+def _toy_block(kind: str) -> torch.nn.Module:
+    """A linear layer whose forward sets and resets kernels' context variable, or bumps a counter."""
+    kernels = pytest.importorskip("kernels")
+
+    @kernels.use_kernel_forward_from_hub("AcToyScale")
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+    class Proj(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            if kind == "counter":
+                _Calls.n += 1  # a real side effect: eager replays it in the recompute
+            return torch.tanh(scale(self.lin(x)))
+
+    if kind == "kernels":
+        Proj = kernels.use_kernelized_func(scale)(Proj)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Proj(), torch.nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize("kind", ["kernels", "counter"])
+def test_compile_lets_only_net_zero_context_wrappers_through(kind):
+    """kernels' set/reset compiles inside a region; other side effects still break the graph."""
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.utils import counters
+
+    model = _toy_block(kind)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    handle = ac_policies.apply_policy(model, [{"match": "0", "action": "checkpoint"}])
+    torch._dynamo.reset()
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.compile(model, backend=backend)(x).sum().backward()
+        breaks = [k for k in counters["graph_break"] if "side effect" in k]
+    finally:
+        torch._dynamo.reset()
+        handle.remove()
+    if kind == "kernels":
+        assert len(seen) == 1 and breaks == []
+    else:  # dynamo's check still guards every other region
+        assert breaks, dict(counters["graph_break"])
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7)
+
+
 def _fsdp_worker(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -94,3 +156,41 @@ def test_policy_then_fsdp2_fully_shard_on_two_gloo_processes(tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(env)
+
+
+class _Routed(torch.nn.Module):
+    """A matmul, a top-k normalised in place (as HF routers do), a second matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        h = self.a(x)
+        values, _ = torch.topk(h, 2, dim=-1)
+        values /= values.sum(-1, keepdim=True)
+        return self.b(h).tanh() * values.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("rule", [
+    {"match": "0", "action": "selective"},  # default save list, topk included
+    {"match": "0", "action": "selective", "ops": ["aten.mm.default"], "recompute_every": {"k": 2, "ops": ["mm"]}},
+])
+def test_selective_tables_compile_with_fullgraph(rule):
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Routed())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with ac_policies.apply_policy(model, [rule]):
+        torch._dynamo.reset()
+        try:
+            torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum().backward()
+        finally:
+            torch._dynamo.reset()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7)

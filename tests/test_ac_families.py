@@ -182,7 +182,7 @@ def test_recompute_flops_per_preset(family):
     # attribution: under `full` each mixer is rerun whole, so its recompute equals its forward FLOPs
     s = _structure(model)
     mixers = s["attention"] + s["linear_attention"]
-    with flop_counter() as counter, torch.no_grad():
+    with flop_counter() as counter:  # grad on: under no_grad the counter's module tracker raises on Qwen3-Next's conv function module (torch 2.13)
         step()
     per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     mixer_forward = sum(per_module[f"{type(model).__name__}.{f}"] for f in mixers)

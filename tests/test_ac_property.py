@@ -1,9 +1,12 @@
-"""Hypothesis: for random tables over a real tiny model, plan then apply wraps exactly the
-planned modules, first match wins, gradients never change, and undo leaves nothing behind."""
+"""Hypothesis: for random tables over a real tiny model (selective rules with random save lists,
+every-k-th recompute and matmul globs included), plan then apply wraps exactly the planned
+modules, first match wins, gradients never change, tables survive JSON, and undo leaves
+nothing behind."""
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import warnings
 
 import torch
@@ -22,13 +25,31 @@ GLOBS = ["*", "model.layers.*", "model.layers.0*", "*.mlp", "*.mlp.*", "*attn", 
          "model.layers.1.self_attn", "lm_head", "*.experts", "model.layers.?"]
 PREDICATES = [None, "moe", "attention", "linear_attention", "norm", "dense_mlp", "decoder_block",
               layers(0, 1), layers(1, None), inside("moe"), not_("moe")]
-rules = st.builds(
+PREDICATES += [layers(0, None, 2), layers(1, None, 3)]
+# save lists with any op kind: aten packets and overloads, a functional collective, a higher-order op
+OPS = ["mm", "addmm", "bmm", "topk", "aten.mm.default", "aten.max.default", "_c10d_functional.all_to_all_single",
+       "higher_order.flex_attention", "_scaled_dot_product_flash_attention_for_cpu"]
+MATMUL_GLOBS = [("*.mlp.gate",), ("*.q_proj", "*.o_proj"), ("*.shared_expert.*",), ("*.in_proj_qkvz",)]
+plain_rules = st.builds(
     Rule,
     match=st.sampled_from(GLOBS),
     when=st.sampled_from(PREDICATES),
     action=st.sampled_from(["checkpoint", "selective", "offload", "none"]),
     on_unmatched=st.just("ignore"),
 )
+selective_rules = st.builds(
+    Rule,
+    match=st.sampled_from(GLOBS),
+    when=st.sampled_from(PREDICATES),
+    action=st.just("selective"),
+    ops=st.one_of(st.none(), st.lists(st.sampled_from(OPS), min_size=1, max_size=4, unique=True).map(tuple)),
+    recompute_every=st.one_of(st.none(), st.fixed_dictionaries(
+        {"k": st.integers(1, 3), "ops": st.sampled_from([["mm"], ["aten.mm.default", "addmm"], ["topk"]])})),
+    recompute_matmuls_of=st.one_of(st.none(), st.sampled_from(MATMUL_GLOBS)),
+    save_matmuls_of=st.one_of(st.none(), st.sampled_from(MATMUL_GLOBS)),
+    on_unmatched=st.just("ignore"),
+)
+rules = st.one_of(plain_rules, selective_rules)
 
 
 def first_match_oracle(table: list[Rule]) -> dict[str, str]:
@@ -45,7 +66,8 @@ def first_match_oracle(table: list[Rule]) -> dict[str, str]:
 
 @given(table=st.lists(rules, min_size=1, max_size=4))
 def test_random_tables_apply_exactly_their_plan(table):
-    assert Policy.from_dicts(Policy(tuple(table)).to_dicts()) == Policy(tuple(table))
+    data = Policy(tuple(table)).to_dicts()
+    assert Policy.from_json(json.dumps(data)) == Policy(tuple(table))  # plain data, JSON included
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
         p = ac_policies.plan(MODEL, table)

@@ -174,7 +174,13 @@ def test_python_predicates_need_a_registered_name_to_serialise():
         (dict(when="mixture"), ValueError, "unknown predicate 'mixture'"),
         (dict(when={"layers": [3, 1]}), ValueError, "start < stop"),
         (dict(action="checkpoint", ops=["mm"]), ValueError, "selective"),
-        (dict(action="selective", ops=["not_an_op"]), ValueError, "unknown aten ops"),
+        (dict(action="selective", ops=["not_an_op"]), ValueError, "unknown ops"),
+        (dict(action="selective", ops=["aten.mm.nope"]), ValueError, "unknown ops"),
+        (dict(action="selective", ops=["a.b.c.d"]), ValueError, "higher_order.flex_attention"),
+        (dict(action="selective", recompute_every={"k": 0}), ValueError, "positive int"),
+        (dict(action="selective", recompute_every=2), TypeError, "'k': 2"),
+        (dict(action="checkpoint", recompute_matmuls_of=["*.gate"]), ValueError, "selective"),
+        (dict(action="selective", save_matmuls_of="*.gate"), TypeError, "list of module globs"),
         (dict(on_unmatched="maybe"), ValueError, "on_unmatched"),
     ],
 )
@@ -193,7 +199,7 @@ def test_preset_names_are_normalised(name):
 def test_booleans_and_unknown_names():
     assert ac_policies.resolve_policy(True) is ac_policies.PRESETS["full"]
     assert ac_policies.resolve_policy(False) is ac_policies.PRESETS["none"]
-    with pytest.raises(ValueError, match=r"valid presets: \['full', 'non_moe', 'non_moe_no_attn', 'none', 'selective'\]"):
+    with pytest.raises(ValueError, match=r"valid presets: \['full', 'keep_router', 'non_moe', 'non_moe_no_attn', 'none', 'op_sac', 'selective'\]"):
         ac_policies.resolve_policy("no-moe")
     with pytest.raises(TypeError, match="preset name"):
         ac_policies.resolve_policy(3)
