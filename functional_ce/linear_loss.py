@@ -10,9 +10,12 @@ from . import linear_fused, linear_ops
 from .options import ChunkSize, Reduction, check_float
 from .shell import Count, check_compile_chunks, plan_loss, reduce_rows, row_coefficients
 
-#: ``chunk_size="auto"`` bounds one fp32 chunk of logits to this many bytes. Smaller than the
-#: logits form's budget: here the chunk is the only vocabulary-wide buffer, and the matmuls
-#: stay efficient at a few hundred rows.
+#: ``chunk_size="auto"`` for the hidden-state loss is set by matmul efficiency within a memory
+#: cap: chunks of ``LINEAR_AUTO_CHUNK_ROWS`` token rows, the size from which the chunk's three
+#: ``[rows, H] x [H, V]``-sized matmuls run at the machine's full rate (see bench/RESULTS.md,
+#: ``lce`` section), and fewer rows only where one fp32 ``[rows, V]`` chunk would pass
+#: ``LINEAR_AUTO_CHUNK_BYTES`` (large vocabularies).
+LINEAR_AUTO_CHUNK_ROWS = 512
 LINEAR_AUTO_CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -101,7 +104,8 @@ def linear_cross_entropy(
         bias: ``[V]`` or None.
         ignore_index, mask, weights, reduction, num_label_tokens, label_smoothing, z_loss, softcap:
             as in :func:`functional_ce.cross_entropy`.
-        chunk_size: token rows per chunk. ``"auto"`` bounds one fp32 ``[c, V]`` chunk to about
+        chunk_size: token rows per chunk. ``"auto"`` takes ``LINEAR_AUTO_CHUNK_ROWS`` rows (where
+            the matmuls reach full rate), fewer where one fp32 ``[c, V]`` chunk would pass
             ``LINEAR_AUTO_CHUNK_BYTES``; ``None`` is one chunk; an int is rows per chunk.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
             environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
@@ -131,7 +135,7 @@ def linear_cross_entropy(
         labels, batch_shape=hidden.shape[:-1], n_classes=n_classes, device=hidden.device, what="hidden",
         ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
         num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-        chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES,
+        chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
     )
     if not isinstance(recompute_logits_in_backward, bool):
         raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")

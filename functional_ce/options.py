@@ -79,17 +79,20 @@ def check_chunk_size(chunk_size: object) -> None:
 
 
 def resolve_chunk_size(
-    chunk_size: ChunkSize, n_rows: int, row_bytes: int, auto_bytes: Optional[int] = None
+    chunk_size: ChunkSize, n_rows: int, row_bytes: int, auto_bytes: Optional[int] = None,
+    auto_rows: Optional[int] = None,
 ) -> int:
     """Rows per chunk for ``n_rows`` rows whose fp32 form takes ``row_bytes`` bytes each.
 
-    ``"auto"`` bounds one fp32 chunk to about ``auto_bytes`` (default ``AUTO_CHUNK_BYTES``);
-    ``None`` is one chunk.
+    ``"auto"`` takes ``auto_rows`` rows (no limit when None), fewer where one fp32 chunk would
+    pass ``auto_bytes`` (default ``AUTO_CHUNK_BYTES``); ``None`` is one chunk.
     """
     check_chunk_size(chunk_size)
     if chunk_size == "auto":
         budget = AUTO_CHUNK_BYTES if auto_bytes is None else auto_bytes
         rows = max(1, budget // max(1, row_bytes))
+        if auto_rows is not None:
+            rows = min(rows, auto_rows)
         if rows >= 64:
             rows -= rows % 32  # aligned chunks vectorise better
     elif chunk_size is None:

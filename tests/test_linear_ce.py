@@ -206,3 +206,16 @@ def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dt
     for g, w in zip(got_grads, want_grads):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("v", [50, 32768, 128256, 1_000_000])
+def test_auto_chunks_aim_for_efficient_rows_within_the_memory_cap(v):
+    from functional_ce.linear_loss import LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS
+    from functional_ce.options import resolve_chunk_size
+
+    rows = resolve_chunk_size("auto", 100_000, v * 4, LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS)
+    assert 1 <= rows <= LINEAR_AUTO_CHUNK_ROWS
+    assert rows * v * 4 <= LINEAR_AUTO_CHUNK_BYTES or rows == 1, "one fp32 chunk stays within the cap"
+    if LINEAR_AUTO_CHUNK_ROWS * v * 4 <= LINEAR_AUTO_CHUNK_BYTES:
+        assert rows == LINEAR_AUTO_CHUNK_ROWS, "small vocabularies get the efficient row count"
+    assert resolve_chunk_size("auto", 7, v * 4, LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS) == min(7, rows)
