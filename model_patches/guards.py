@@ -112,7 +112,10 @@ def check_positions(ids: torch.Tensor, positions: Optional[torch.Tensor], target
         "wrong positions. Fix: pass per-document position_ids (PackingCollator returns them)"
     )
     if positions is None or positions.shape[-1] != ids.shape[1]:
-        refuse_indexed(ids, message)
+        refuse_indexed(ids, message.replace(
+            "it got an indexed (packed) mask with row positions",
+            "its mask builder gets no position_ids to check against the documents of an indexed (packed) mask",
+        ))
         return
     expected = document_positions(ids)
     refuse_if(((ids > 1) & (positions.to(ids.device) != expected)).any(), message)
