@@ -19,6 +19,11 @@ the mask builders in ``masking_utils`` and in every model module that imported t
 install a guard in the preprocessor that raises when an indexed mask arrives from a module
 they do not cover. The probes check each target's real signature, and that a model module's
 builder *is* ``masking_utils``'s (a module with its own mask code is refused, not left leaking).
+
+Beyond the masks, records (4.53+, all epochs) make MoE load-balancing losses count each real
+token once, and guard what cannot be made document-aware: ``create_recurrent_attention_mask``
+(releases that have it) and the ``forward`` of refused families that bypass masking_utils.
+Which families are refused, and why, is data in :mod:`model_patches.capabilities`.
 """
 
 from __future__ import annotations
@@ -276,8 +281,14 @@ def enable_packing(
     or ``with enable_packing(): ...``). Enabling twice is a no-op; patches stay until the last
     handle is removed. Raises ``PatchError`` when an admitted record does not fit the installed
     Transformers (``strict=False``: log it and go on without that record). With ``model``, also
-    raises ``ValueError`` (and undoes the patches) if any of its Transformers model modules builds
-    masks in a way the patches do not cover, see :func:`check_model`.
+    raises ``ValueError`` naming the module and the reason, before patching anything, if the model
+    has a refused capability (ALiBi, a recurrent / convolutional / linear-attention mixer, masks
+    built outside masking_utils), and (undoing the patches) if any of its model modules builds
+    masks in a way the patches do not cover, see :func:`check_model`. Without ``model``, a refused
+    family raises at forward time when an indexed mask or packed ``position_ids`` reach it.
+
+    Masks: 2D int and whole-number float masks are read as document ids (0 = padding), bool
+    masks pass through; packed ``position_ids`` split documents too. Shapes ``[batch, seq]``.
     """
     if model is not None:
         _refuse_capabilities(model)
