@@ -33,7 +33,7 @@ def family_table(args: argparse.Namespace, command: str, tick: Callable[[str], N
         family, _, extra = name.partition("+")
         overrides = {extra: True} if extra else {}
         tick(f"packing sweep {name}")
-        with_model = sweep_family(family, use_model=True, **overrides)
+        with_model = sweep_family(family, use_model=True, with_stock=True, **overrides)
         plain = sweep_family(family, use_model=False, **overrides)
         if with_model.outcome == "not built" and plain.outcome == "not built":
             data[name] = {"outcome": "not built", "detail": with_model.detail}

@@ -110,11 +110,13 @@ def _quiet():
 
 
 def sweep_family(model_type: str, use_model: bool = True, tol: float = 1e-4,
-                 batch: Optional[dict[str, torch.Tensor]] = None, **overrides: Any) -> SweepResult:
+                 batch: Optional[dict[str, torch.Tensor]] = None, with_stock: bool = False,
+                 **overrides: Any) -> SweepResult:
     """Classify ``model_type`` under packing (see module docstring).
 
     The packed forward runs on the family's default attention backend (sdpa where supported;
     some families, e.g. those with attention sinks, only compute correctly on eager).
+    ``with_stock``: also measure the same batch without packing (``stock_gap``).
     """
     from .packing import enable_packing
 
@@ -133,10 +135,12 @@ def sweep_family(model_type: str, use_model: bool = True, tol: float = 1e-4,
             return SweepResult(model_type, "not built", detail=failure)
         handle = None
         implementation = model.config._attn_implementation or "eager"
-        try:
-            stock = logits_gap(model, batch, implementation)
-        except Exception:  # noqa: BLE001 - a stock forward that rejects the mask has no stock gap
-            stock = None
+        stock = None
+        if with_stock:
+            try:
+                stock = logits_gap(model, batch, implementation)
+            except Exception:  # noqa: BLE001 - a stock forward that rejects the mask has no stock gap
+                stock = None
         try:
             handle = enable_packing(model=model) if use_model else enable_packing()
             gap = logits_gap(model, batch, implementation)
