@@ -17,7 +17,6 @@ from model_patches.family_sweep import causal_lm_families, sweep_family
 #: family (+ config overrides) -> the outcome it must have on every supported release.
 REPRESENTATIVE: dict[str, tuple[dict, str]] = {
     "llama": ({}, "correct"),
-    "mixtral": ({}, "correct"),
     "gpt2": ({}, "correct"),  # absolute positions, given per-document position_ids
     "falcon": ({}, "correct"),  # rotary by default
     "falcon+alibi": ({"alibi": True}, "refused"),
