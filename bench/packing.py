@@ -4,7 +4,11 @@ how full does ``PackingCollator`` fill its rows.
 Table 1 (installed Transformers): for each model family x attention backend, the max
 |packed logits - each document alone| (fp32) with stock Transformers and with
 ``enable_packing()``, on the same batch (3 rows of 12 tokens, 7 documents, padding).
-Table 2: tokens / row slots of ``PackingCollator`` on a long-tailed (log-normal) length
+Table 2 (``bench.packing_families``): per family, stock gap, then made correct or refused
+(and why) under ``enable_packing(model=...)`` and plain ``enable_packing()``.
+Table 3 (``bench.packing_step``): compiled training-step time of a packed batch, stock vs
+``enable_packing`` (``--packing-step off`` skips it).
+Table 4: tokens / row slots of ``PackingCollator`` on a long-tailed (log-normal) length
 distribution, next to padding every document to ``max_length`` and to next-fit packing in
 arrival order.
 """
@@ -20,6 +24,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from bench.packing_families import DEFAULT_SWEEP, family_table
+from bench.packing_step import step_table
 from bench.report import Section, Table
 
 DEFAULT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe"]
@@ -34,6 +40,15 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="flex_attention for the first family only (default; each family costs a CPU compile) or all",
     )
     group.add_argument("--packing-docs", type=int, default=4000, help="documents drawn for the collator table")
+    group.add_argument(
+        "--packing-sweep", nargs="+", default=DEFAULT_SWEEP, metavar="FAMILY",
+        help="families of the per-family outcome table ('all': every AutoModelForCausalLM family; "
+        "'none': skip; 'falcon+alibi' sets alibi=True)",
+    )
+    group.add_argument("--packing-step", choices=["on", "off"], default="on",
+                       help="the compiled step-time table (two inductor compiles, a few minutes on CPU)")
+    group.add_argument("--packing-step-backend", default="inductor")
+    group.add_argument("--packing-step-repeats", type=int, default=5)
     group.add_argument("--packing-max-length", type=int, default=4096)
 
 
@@ -140,5 +155,13 @@ def _efficiency_table(args: argparse.Namespace, tick: Callable[[str], None]) -> 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     leak, leak_data = _leak_table(args, tick)
-    eff, eff_data = _efficiency_table(args, tick)
-    return Section(name="packing", tables=[leak, eff], data={"leak": leak_data, "efficiency": eff_data})
+    tables, data = [leak], {"leak": leak_data}
+    if args.packing_sweep != ["none"]:
+        families, data["families"] = family_table(args, _command(args), tick)
+        tables.append(families)
+    if args.packing_step == "on":
+        step, data["step"] = step_table(args, _command(args), tick)
+        tables.append(step)
+    eff, data["efficiency"] = _efficiency_table(args, tick)
+    tables.append(eff)
+    return Section(name="packing", tables=tables, data=data)

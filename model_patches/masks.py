@@ -3,7 +3,11 @@
 An *indexed mask* is a ``[batch, seq]`` integer tensor: 0 marks padding, and each maximal run of
 one non-zero value is one document, ``[1, 1, 1, 2, 2, 3, 0, 0]`` = three documents and two pads.
 Runs, not values, define documents, so ``[1, 1, 2, 1]`` holds three documents; ids restart in
-every row.
+every row. An ordinary 0/1 padding mask is the same thing with one document per row, so any
+integer mask can be read as document ids without looking at its values first (no host sync).
+Floating masks (``mask.float()``, bf16) are read the same way when every value is a
+non-negative integer that the dtype represents exactly (bf16: up to 256, fp16: 2048, fp32:
+2**24); anything else is refused, because a rounded id can merge two neighbouring documents.
 
 The attention rule these helpers express: a query attends to a key iff both are in the same
 document, the key is not after the query (and, with a sliding window ``w``, fewer than ``w``
@@ -18,9 +22,13 @@ from typing import Callable, Optional
 import torch
 
 __all__ = [
+    "reads_as_document_ids",
+    "check_mask_values",
     "is_indexed_mask",
     "document_ids",
     "document_lengths",
+    "split_at_position_resets",
+    "document_positions",
     "unpad_documents",
     "same_document_mask_function",
     "block_causal_mask_function",
@@ -28,6 +36,10 @@ __all__ = [
 ]
 
 MaskFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+#: Largest integer each floating dtype holds exactly (with all smaller ones): 2 ** (mantissa bits + 1).
+_EXACT_INT = {torch.bfloat16: 2**8, torch.float16: 2**11, torch.float32: 2**24, torch.float64: 2**53}
 
 
 def _check_2d(mask: torch.Tensor) -> None:
@@ -38,35 +50,109 @@ def _check_2d(mask: torch.Tensor) -> None:
             f"an indexed attention mask must be 2D [batch, seq], got shape {tuple(mask.shape)}; "
             "pass the collator's attention_mask, not a 4D mask"
         )
-    if mask.is_floating_point() or mask.is_complex():
-        raise TypeError(f"an indexed attention mask must hold integers, got dtype {mask.dtype}")
+    if mask.is_complex() or (mask.is_floating_point() and mask.dtype not in _EXACT_INT):
+        raise TypeError(
+            f"an indexed attention mask must hold integers (int or bool, or float / bf16 / fp16 "
+            f"holding whole numbers), got dtype {mask.dtype}"
+        )
+
+
+def reads_as_document_ids(mask: object) -> bool:
+    """True for a 2D integer or floating tensor: the packing patches read it as document ids.
+
+    Decided from type, rank and dtype only (never the values), so it costs no host sync and
+    compiles without a graph break. Bool masks (pure padding masks) and 4D masks are False.
+    """
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.ndim == 2
+        and mask.dtype != torch.bool
+        and not mask.is_complex()
+        and (not mask.is_floating_point() or mask.dtype in _EXACT_INT)
+    )
+
+
+def _bad_values(mask: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(bool scalar "some value is invalid", what valid means) for a 2D int / float mask."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.bool, device=mask.device), ""
+    if not mask.is_floating_point():
+        return (mask < 0).any(), "an indexed attention mask must be >= 0 (0 = padding), got negative values"
+    limit = _EXACT_INT[mask.dtype]
+    bad = (mask < 0) | (mask > limit) | (mask != torch.floor(mask)) | ~torch.isfinite(mask)
+    return bad.any(), (
+        f"a floating ({mask.dtype}) attention mask is read as document ids, so every value must be a "
+        f"whole number in [0, {limit}] ({mask.dtype} holds larger ids inexactly, which can merge two "
+        "documents); got a value outside that. Fix: pass the collator's integer mask "
+        "(attention_mask.long()), or a 0/1 mask"
+    )
+
+
+def check_mask_values(mask: torch.Tensor) -> None:
+    """Refuse negative ids and (floating masks) ids that are not exact whole numbers.
+
+    On CPU outside ``torch.compile`` this raises ``ValueError`` (reading one flag costs nothing
+    there). On an accelerator or while compiling it is a ``torch._assert_async`` (no host sync, no
+    graph break): the error surfaces as a ``RuntimeError`` carrying the same message.
+    """
+    bad, message = _bad_values(mask)
+    if not message:
+        return
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(bad):
+            raise ValueError(message)
+        return
+    torch._assert_async(~bad, message)
 
 
 def is_indexed_mask(mask: object) -> bool:
-    """True for a 2D integer tensor holding a value above 1 (more than one document in a row).
+    """True for a 2D integer or floating tensor holding a value above 1 (several documents in a row).
 
-    A bool or 0/1 mask is an ordinary padding mask and is left to Transformers' own handling.
-    Reading the maximum syncs the device once.
+    Reads the values (one host sync): for eager-only checks and tests. The patches themselves
+    use :func:`reads_as_document_ids`, which does not look at the values.
     """
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.dtype == torch.bool:
+    if not reads_as_document_ids(mask) or mask.numel() == 0:  # type: ignore[union-attr]
         return False
-    if mask.is_floating_point() or mask.is_complex() or mask.numel() == 0:
-        return False
-    return bool(mask.max() > 1)
+    return bool(mask.max() > 1)  # type: ignore[union-attr]
 
 
 def document_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Indexed mask ``[B, L]`` (int or bool) -> int64 ``[B, L]``: run number 1, 2, ... per row, 0 on padding.
+    """Indexed mask ``[B, L]`` (int, bool or whole-number float) -> int64 ``[B, L]``: run number
+    1, 2, ... per row, 0 on padding.
 
-    Raises ValueError on negative values.
+    Raises ValueError on negative or (float) non-whole values, see :func:`check_mask_values`.
+    No host sync on the happy path; traces into one graph under ``torch.compile``.
     """
     _check_2d(mask)
+    if mask.numel():
+        check_mask_values(mask)
     m = mask.long()
-    if m.numel() and bool((m < 0).any()):
-        raise ValueError("an indexed attention mask must be >= 0 (0 = padding), got negative values")
-    starts = m != 0
-    starts[:, 1:] &= m[:, 1:] != m[:, :-1]
-    return torch.where(m != 0, starts.long().cumsum(-1), torch.zeros_like(m))
+    real = m != 0
+    starts = torch.cat([real[:, :1], real[:, 1:] & (m[:, 1:] != m[:, :-1])], dim=1)
+    return torch.where(real, starts.long().cumsum(-1), torch.zeros_like(m))
+
+
+def split_at_position_resets(ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids ``[B, L]`` split further wherever ``position_ids`` ``[B or 1, L]`` do not step by one.
+
+    Packed ``position_ids`` (0, 1, 2, 0, 1, ...) mark documents too, even under a 0/1 or all-ones
+    mask (``DataCollatorWithFlattening``-style batches): a token whose position is not its left
+    neighbour's plus one starts a new document. Returns renumbered int64 ids, 0 on padding.
+    """
+    pos = position_ids.expand(ids.shape[0], -1)
+    real = ids != 0
+    step = pos[:, 1:] != pos[:, :-1] + 1
+    starts = torch.cat([real[:, :1], real[:, 1:] & ((ids[:, 1:] != ids[:, :-1]) | step)], dim=1)
+    return torch.where(real, starts.long().cumsum(-1), torch.zeros_like(ids))
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token inside its document (0 at each document start), int64 ``[B, L]``."""
+    idx = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    real = ids != 0
+    starts = torch.cat([real[:, :1], real[:, 1:] & (ids[:, 1:] != ids[:, :-1])], dim=1)
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
+    return idx - first
 
 
 def document_lengths(mask: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,11 @@ the mask builders in ``masking_utils`` and in every model module that imported t
 install a guard in the preprocessor that raises when an indexed mask arrives from a module
 they do not cover. The probes check each target's real signature, and that a model module's
 builder *is* ``masking_utils``'s (a module with its own mask code is refused, not left leaking).
+
+Beyond the masks, records (4.53+, all epochs) make MoE load-balancing losses count each real
+token once, and guard what cannot be made document-aware: ``create_recurrent_attention_mask``
+(releases that have it) and the ``forward`` of refused families that bypass masking_utils.
+Which families are refused, and why, is data in :mod:`model_patches.capabilities`.
 """
 
 from __future__ import annotations
@@ -30,18 +35,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .packing_patches import (
-    build_guard,
-    build_mask_builder,
-    build_unpad,
-    guard_probe,
-    mask_builder_probe,
-    same_function_probe,
-    unpad_probe,
-)
-from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, record_status
+from .guards import build_forward_guard, build_guard, build_recurrent_guard, forward_probe, guard_probe, recurrent_probe
+from .packing_patches import build_mask_builder, build_unpad, mask_builder_probe, same_function_probe, unpad_probe
+from .aux_loss import AUX_LOSS_NAME, aux_loss_modules, aux_loss_probe, build_aux_loss
+from .capabilities import CAPABILITIES, refusals_for_model
+from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, live_records, record_status
 
-__all__ = ["enable_packing", "packing_status", "packing_records", "check_model", "FAMILIES", "EPOCHS"]
+__all__ = ["enable_packing", "packing_status", "packing_records", "check_model", "FAMILIES", "MOE_FAMILIES", "EPOCHS"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ FAMILIES: tuple[str, ...] = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3",
     "phi3", "olmo2", "granite", "starcoder2", "cohere",
 )
+#: MoE families whose load-balancing loss is patched by name (others: when already imported).
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 _BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 
 #: epoch label -> (version specifier, cache argument name, builders take cache_position)
@@ -79,7 +81,7 @@ def _builder_record(module: str, name: str, epoch: str) -> PatchRecord:
     is_source = module == _MU
     probe = mask_builder_probe(cache_arg, has_cp) if is_source else same_function_probe(name, cache_arg, has_cp)
     short = module.rsplit(".", 1)[-1]
-    return PatchRecord(
+    return _made(PatchRecord(
         name=f"{short}.{name} (indexed 2D mask -> same-document mask)",
         target=target,
         versions=versions,
@@ -87,7 +89,29 @@ def _builder_record(module: str, name: str, epoch: str) -> PatchRecord:
         build=build_mask_builder(target, cache_arg),
         epoch=epoch,
         doc="eager/sdpa/flex: and_mask_function over document ids; flash: document-id mask",
-    )
+    ))
+
+
+#: Every packing record made (so :func:`packing_status` can tell them from other live records).
+_MADE: set[PatchRecord] = set()
+
+
+def _made(record: PatchRecord) -> PatchRecord:
+    _MADE.add(record)
+    return record
+
+
+@functools.lru_cache(maxsize=None)
+def _aux_loss_record(module: str) -> PatchRecord:
+    return _made(PatchRecord(
+        name=f"{module.rsplit('.', 1)[-1]}.{AUX_LOSS_NAME} (each real token counts once)",
+        target=f"{module}:{AUX_LOSS_NAME}",
+        versions=">=4.53",
+        probe=aux_loss_probe,
+        build=build_aux_loss,
+        epoch="4.53+",
+        doc="MoE load-balancing loss: an indexed mask becomes a 0/1 validity mask",
+    ))
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,6 +144,71 @@ def _common_records() -> tuple[PatchRecord, ...]:
     )
 
 
+_RECURRENT = "create_recurrent_attention_mask"
+
+
+def _recurrent_records() -> list[PatchRecord]:
+    """Guards on ``create_recurrent_attention_mask`` (Transformers releases that have it), in
+    masking_utils and in every imported model module holding it (stock or a packing wrapper)."""
+    mu = sys.modules.get(_MU)
+    if mu is None or not hasattr(mu, _RECURRENT):
+        return []
+    stock = getattr(getattr(mu, _RECURRENT), "_packing_original", getattr(mu, _RECURRENT))
+    modules = [_MU] + sorted(
+        name for name, mod in list(sys.modules.items())
+        if name.startswith("transformers.models.") and ".modeling_" in name and mod is not None
+        and getattr(vars(mod).get(_RECURRENT), "_packing_original", vars(mod).get(_RECURRENT)) is stock
+    )
+    return [_recurrent_record(m) for m in modules]
+
+
+@functools.lru_cache(maxsize=None)
+def _recurrent_record(module: str) -> PatchRecord:
+    return _made(PatchRecord(
+        name=f"{module.rsplit('.', 1)[-1]}.{_RECURRENT} (guard: refuse indexed masks in stateful mixers)",
+        target=f"{module}:{_RECURRENT}",
+        versions=">=4.53",
+        probe=recurrent_probe,
+        build=build_recurrent_guard(f"{module}:{_RECURRENT}"),
+        epoch="4.53+",
+        doc="Mamba / linear-attention / conv layers would scale tokens by document id and carry state",
+    ))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_guard_records() -> tuple[PatchRecord, ...]:
+    """Guards on ``*ForCausalLM.forward`` of refused families that never call masking_utils
+    (imported here, about 0.5 s once per process; families this release lacks are left out)."""
+    import importlib
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    records = []
+    for cap in CAPABILITIES:
+        for family in cap.forward_guard:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family)
+            short = model_type_to_module_name(family)
+            module = f"transformers.models.{short}.modeling_{short}"
+            try:
+                owner = getattr(importlib.import_module(module), cls) if cls is not None else None
+            except ImportError:
+                owner = None
+            # a forward without an attention_mask parameter cannot receive an indexed mask
+            present = owner is not None and forward_probe(owner.forward) is None
+            if present:
+                records.append(_made(PatchRecord(
+                    name=f"{cls}.forward (guard: {cap.name}, refused)",
+                    target=f"{module}:{cls}.forward",
+                    versions=">=4.53",
+                    probe=forward_probe,
+                    build=build_forward_guard(family, cap.reason),
+                    epoch="4.53+",
+                    doc=cap.reason,
+                )))
+    return tuple(records)
+
+
 def _discovered_modules() -> list[str]:
     """Already-imported model modules that use masking_utils' builders, beyond :data:`FAMILIES`."""
     mu = sys.modules.get(_MU)
@@ -131,7 +220,8 @@ def _discovered_modules() -> list[str]:
         if not name.startswith("transformers.models.") or ".modeling_" not in name or mod is None:
             continue
         namespace = getattr(mod, "__dict__", {})
-        if any(n in namespace and namespace[n] in refs for n in _BUILDERS):
+        held = [getattr(namespace[n], "_packing_original", namespace[n]) for n in _BUILDERS if n in namespace]
+        if any(h in refs for h in held):  # the stock builder, or a packing wrapper around it
             found.append(name)
     return sorted(found)
 
@@ -143,16 +233,36 @@ def packing_records(extra_modules: Sequence[str] = ()) -> list[PatchRecord]:
     that uses the same builders, and ``extra_modules`` (full module names).
     """
     records = list(_common_records())
+    _MADE.update(records)
     modules = [f"transformers.models.{f}.modeling_{f}" for f in FAMILIES]
     modules += [m for m in [*_discovered_modules(), *extra_modules] if m not in modules]
+    moe = [f"transformers.models.{f}.modeling_{f}" for f in MOE_FAMILIES]
+    moe += [m for m in [*aux_loss_modules(), *extra_modules] if m not in moe and _defines_aux_loss(m)]
+    records.extend(_aux_loss_record(m) for m in moe)
+    records.extend(_recurrent_records())
+    records.extend(_forward_guard_records())
     for epoch in EPOCHS:
         records.append(_builder_record(_MU, _BUILDERS[0], epoch))
         records.append(_builder_record(_MU, _BUILDERS[1], epoch))
         for module in modules:
-            fam = module.rsplit(".modeling_", 1)[-1]
-            names = _BUILDERS if _has_sliding(fam, module) else _BUILDERS[:1]
+            names = _module_builders(module)
             records.extend(_builder_record(module, n, epoch) for n in names)
     return records
+
+
+def _defines_aux_loss(module: str) -> bool:
+    mod = sys.modules.get(module)
+    return mod is not None and callable(vars(mod).get(AUX_LOSS_NAME))
+
+
+def _module_builders(module: str) -> tuple[str, ...]:
+    """The builders ``module`` imported (all of them once it is imported: a module may import only
+    the sliding-window one); for a named family not imported yet, what it is known to import."""
+    mod = sys.modules.get(module)
+    if mod is not None:
+        return tuple(n for n in _BUILDERS if n in vars(mod))
+    fam = module.rsplit(".modeling_", 1)[-1]
+    return _BUILDERS if _has_sliding(fam, module) else _BUILDERS[:1]
 
 
 def _has_sliding(family: str, module: str) -> bool:
@@ -171,11 +281,18 @@ def enable_packing(
     or ``with enable_packing(): ...``). Enabling twice is a no-op; patches stay until the last
     handle is removed. Raises ``PatchError`` when an admitted record does not fit the installed
     Transformers (``strict=False``: log it and go on without that record). With ``model``, also
-    raises ``ValueError`` (and undoes the patches) if any of its Transformers model modules builds
-    masks in a way the patches do not cover, see :func:`check_model`.
+    raises ``ValueError`` naming the module and the reason, before patching anything, if the model
+    has a refused capability (ALiBi, a recurrent / convolutional / linear-attention mixer, masks
+    built outside masking_utils), and (undoing the patches) if any of its model modules builds
+    masks in a way the patches do not cover, see :func:`check_model`. Without ``model``, a refused
+    family raises at forward time when an indexed mask or packed ``position_ids`` reach it.
+
+    Masks: 2D int and whole-number float masks are read as document ids (0 = padding), bool
+    masks pass through; packed ``position_ids`` split documents too. Shapes ``[batch, seq]``.
     """
     if model is not None:
-        own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in _BUILDERS)]
+        _refuse_capabilities(model)
+        own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in (*_BUILDERS, AUX_LOSS_NAME))]
         extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict)
     applied = sum(r.state == "applied" for r in handle.rows)
@@ -199,10 +316,14 @@ def _model_modules(model: torch.nn.Module) -> list[str]:
 def check_model(model: torch.nn.Module) -> None:
     """Raise ``ValueError`` unless every Transformers model module used by ``model`` is covered now.
 
-    Covered = the module's ``create_causal_mask`` (and sliding-window builder, if it has one) is
-    currently the packing replacement. A module that builds masks another way would let packed
-    documents attend to each other silently, so it is refused here.
+    Covered = nothing in the model mixes information along the sequence outside the attention
+    masks (no ALiBi, no recurrent / convolutional / linear-attention mixer: see
+    :mod:`model_patches.capabilities`), and each module's ``create_causal_mask`` (and
+    sliding-window builder, if it has one) is currently the packing replacement. A module that
+    builds masks another way would let packed documents attend to each other silently, so it is
+    refused here.
     """
+    _refuse_capabilities(model)
     modules = _model_modules(model)
     bad, covered = [], []
     for name in modules:
@@ -223,6 +344,34 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
+def _refuse_capabilities(model: torch.nn.Module) -> None:
+    """Raise ValueError naming every refused capability of ``model`` (module and reason)."""
+    refusals = refusals_for_model(model)
+    if refusals:
+        why = "; ".join(f"{cap.name} ({where}): {cap.reason}" for cap, where in refusals)
+        raise ValueError(
+            f"packing is refused for {type(model).__name__} ({', '.join(_model_modules(model)) or type(model).__module__}): "
+            f"{why}. An indexed mask or packed position_ids would leak across documents. Fix: train "
+            "this model with one document per row (a 0/1 or bool padding mask), or use a covered "
+            "family (model_patches.packing_status())"
+        )
+
+
 def packing_status(extra_modules: Sequence[str] = ()) -> list[StatusRow]:
-    """One row per record: name, target, versions, state (applied/available/skipped/failed), reason."""
-    return record_status(packing_records(extra_modules))
+    """One row per record: name, target, versions, state (applied/available/skipped/failed/refused), reason.
+
+    Lists every packing record that is live however it was applied (plain ``enable_packing()``,
+    ``model=``, ``extra_modules``, or a module discovered at the time), then one ``refused`` row
+    per refused capability of :data:`model_patches.capabilities.CAPABILITIES` (its families and why).
+    """
+    records = packing_records(extra_modules)
+    known = {r.target for r in records}
+    records += [r for r in live_records() if r.target not in known and r in _MADE]
+    rows = record_status(records)
+    for cap in CAPABILITIES:
+        state = "refused" if cap.handling == "refused" else "checked"
+        rows.append(StatusRow(
+            name=f"capability {cap.name} ({cap.handling})", target=", ".join(cap.families),
+            versions="any", state=state, reason=cap.reason, epoch="capability",
+        ))
+    return rows

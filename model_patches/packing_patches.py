@@ -1,6 +1,9 @@
 """Probes and replacement builders for the packing records (see :mod:`model_patches.packing`).
 
-Three replacements, all pass-through unless an *indexed* 2D mask (a value above 1) arrives:
+Two replacements. The builders read every 2D integer or floating mask as document ids (a 0/1
+padding mask is one document per row plus padding, so nothing needs to look at the values
+first: no host sync, no graph break under ``torch.compile``); bool masks, 4D masks and ``None``
+pass through to Transformers unchanged:
 
 - ``create_causal_mask`` / ``create_sliding_window_causal_mask`` (in ``masking_utils`` and in
   every covered model module, which import them by name): for eager, sdpa and flex_attention
@@ -12,9 +15,7 @@ Three replacements, all pass-through unless an *indexed* 2D mask (a value above 
   returned as the layer mask.
 - ``modeling_flash_attention_utils._get_unpad_data``: a document-id mask yields one varlen
   sequence per document (per-document ``cu_seqlens``); a 0/1 mask keeps the original.
-- ``masking_utils._preprocess_mask_arguments`` (guard): an indexed mask that still reaches it
-  came from a model module these patches do not cover, which would silently cast it to bool;
-  it raises instead.
+- the guards (refusals of what cannot be made document-aware) live in :mod:`model_patches.guards`.
 
 Each wrapper stays live only while its target still points at it, so a module that imported
 a wrapper while packing was on falls back to the original after the handle is removed.
@@ -24,14 +25,21 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
-import sys
 from typing import Any, Callable, Optional
 
 import torch
 
-from .masks import document_ids, is_indexed_mask, same_document_mask_function, unpad_documents
+from .capabilities import capabilities_for_config
+from .guards import _arg, _is_live, _params, check_positions, refuse_packed_input
+from .masks import (
+    document_ids,
+    is_indexed_mask,
+    reads_as_document_ids,
+    same_document_mask_function,
+    split_at_position_resets,
+    unpad_documents,
+)
 
 __all__ = [
     "mask_builder_probe",
@@ -39,31 +47,12 @@ __all__ = [
     "same_function_probe",
     "unpad_probe",
     "build_unpad",
-    "guard_probe",
-    "build_guard",
 ]
 
 logger = logging.getLogger(__name__)
 
 _MASKING = "transformers.masking_utils"
 _FLEX_OR_DENSE = ("eager", "sdpa", "flex_attention")
-
-
-def _params(fn: Any) -> list[str]:
-    return list(inspect.signature(fn).parameters)
-
-
-def _arg(args: tuple, kwargs: dict, names: tuple[str, ...], index: int) -> Any:
-    for name in names:
-        if name in kwargs:
-            return kwargs[name]
-    return args[index] if index < len(args) else None
-
-
-def _is_live(target: str, wrapper: Callable) -> bool:
-    module_name, _, attr = target.partition(":")
-    module = sys.modules.get(module_name)
-    return module is not None and getattr(module, attr, None) is wrapper
 
 
 def mask_builder_probe(cache_arg: str, needs_cache_position: bool) -> Callable[[Any], Optional[str]]:
@@ -114,21 +103,41 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
 
         @functools.wraps(original)
         def packed_mask(*args: Any, **kwargs: Any) -> Any:
-            mask = _arg(args, kwargs, ("attention_mask",), i_mask)
-            if not is_indexed_mask(mask) or not _is_live(target, packed_mask):
+            if not _is_live(target, packed_mask):
                 return original(*args, **kwargs)
+            mask = _arg(args, kwargs, ("attention_mask",), i_mask)
             config = _arg(args, kwargs, ("config",), 0)
+            positions = _arg(args, kwargs, ("position_ids",), i_pos) if i_pos is not None else None
+            positions = positions if isinstance(positions, torch.Tensor) and positions.ndim == 2 else None
+            cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
+            embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), i_embeds)
+            caps = capabilities_for_config(config)
+            refused = [c for c in caps if c.handling == "refused"]
+            if refused:
+                refuse_packed_input(mask, positions, embeds, target, config, refused)
+                return original(*args, **kwargs)
             impl = getattr(config, "_attn_implementation", None) or "eager"
+            if not reads_as_document_ids(mask):
+                if mask is None and positions is not None and "flash" not in impl and _empty_cache(cache):
+                    # Packed position_ids with a (fresh) cache: stock skips its packed-sequence
+                    # detection whenever a cache exists and lets documents attend to each other.
+                    ids = split_at_position_resets(
+                        torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device), positions
+                    )
+                    return _same_document_call(original, args, kwargs, ids, cache, (i_mask, i_and, i_pos))
+                return original(*args, **kwargs)
             ids = document_ids(mask)
+            if positions is not None and positions.shape[-1] == ids.shape[1]:
+                ids = split_at_position_resets(ids, positions.to(ids.device))
+            if any(c.handling == "per_document_positions" for c in caps):
+                check_positions(ids, positions, target, config)
             if "flash" in impl:
-                embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), i_embeds)
-                cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
                 past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
                 if past or ids.shape[1] != embeds.shape[1]:
                     raise ValueError(
                         f"packed (indexed) attention masks under {impl} are supported for full "
                         f"sequences only, got {embeds.shape[1]} new tokens after {past} cached ones "
-                        f"and a mask of length {ids.shape[1]}; decode with a 0/1 mask or use sdpa"
+                        f"and a mask of length {ids.shape[1]}; decode with a bool mask or use sdpa"
                     )
                 return ids.to(embeds.device)
             if impl not in _FLEX_OR_DENSE:
@@ -137,33 +146,52 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     f"and flash_attention_*, got attn_implementation={impl!r}; switch the model to "
                     "one of those"
                 )
-            cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
-            same_doc = same_document_mask_function(ids.to(mask.device), _max_cache_length(cache))
-            extra = _arg(args, kwargs, ("and_mask_function",), i_and)
-            if extra is not None:
-                inner = same_doc
-
-                def same_doc(b, h, q, kv):  # noqa: F811 - the caller's function AND ours
-                    return inner(b, h, q, kv) & extra(b, h, q, kv)
-
-            args, kwargs = list(args), dict(kwargs)
-            # position_ids only feed Transformers' own packed-sequence detection, which would remap
-            # every mask function's indices to positions (ours expects token indices): drop them.
-            replace = [("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)]
-            if i_pos is not None:
-                replace.append(("position_ids", i_pos, None))
-            for name, index, value in replace:
-                if index < len(args):
-                    args[index] = value
-                else:
-                    kwargs[name] = value
-            return original(*args, **kwargs)
+            return _same_document_call(original, args, kwargs, ids.to(mask.device), cache, (i_mask, i_and, i_pos))
 
         packed_mask._packing_original = original  # type: ignore[attr-defined]
         packed_mask._packing_live = lambda: _is_live(target, packed_mask)  # type: ignore[attr-defined]
         return packed_mask
 
     return build
+
+
+def _same_document_call(
+    original: Callable, args: tuple, kwargs: dict, ids: torch.Tensor, cache: Any, index: tuple
+) -> Any:
+    """Call the stock builder with no 2D mask and "same document" ANDed into its mask function.
+
+    Transformers then builds its own causal / sliding-window mask in the backend's format (a
+    float additive mask for eager, bool for sdpa, a ``BlockMask`` for flex).
+    """
+    i_mask, i_and, i_pos = index
+    same_doc = same_document_mask_function(ids, _max_cache_length(cache))
+    extra = _arg(args, kwargs, ("and_mask_function",), i_and)
+    if extra is not None:
+        inner = same_doc
+
+        def same_doc(b, h, q, kv):  # noqa: F811 - the caller's function AND ours
+            return inner(b, h, q, kv) & extra(b, h, q, kv)
+
+    args, kwargs = list(args), dict(kwargs)
+    # position_ids only feed Transformers' own packed-sequence detection, which would remap
+    # every mask function's indices to positions (ours expects token indices): drop them.
+    replace = [("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)]
+    if i_pos is not None:
+        replace.append(("position_ids", i_pos, None))
+    for name, index_, value in replace:
+        if index_ < len(args):
+            args[index_] = value
+        else:
+            kwargs[name] = value
+    return original(*args, **kwargs)
+
+
+def _empty_cache(cache: Any) -> bool:
+    """A cache object holding no tokens yet (prefill); False for None or an unknown length."""
+    if cache is None or not hasattr(cache, "get_seq_length"):
+        return False
+    length = cache.get_seq_length()
+    return isinstance(length, int) and length == 0
 
 
 def _max_cache_length(cache: Any) -> Optional[int]:
@@ -204,32 +232,3 @@ def build_unpad(original: Callable) -> Callable:
     get_unpad_data._packing_original = original  # type: ignore[attr-defined]
     return get_unpad_data
 
-
-def guard_probe(fn: Any) -> Optional[str]:
-    """The mask preprocessor must take (config, inputs_embeds, attention_mask, ...)."""
-    params = _params(fn)
-    if len(params) < 3 or params[2] != "attention_mask":
-        return f"expected 'attention_mask' as third parameter, found {params[:4]}"
-    return None
-
-
-def build_guard(original: Callable) -> Callable:
-    """``_preprocess_mask_arguments`` that refuses an indexed mask instead of casting it to bool."""
-
-    @functools.wraps(original)
-    def preprocess(*args: Any, **kwargs: Any) -> Any:
-        mask = _arg(args, kwargs, ("attention_mask",), 2)
-        if is_indexed_mask(mask):
-            caller = sys._getframe(1)
-            origin = sys._getframe(2).f_globals.get("__name__", "?") if caller.f_back else "?"
-            raise ValueError(
-                f"an indexed (packed) attention mask reached masking_utils.{caller.f_code.co_name} "
-                f"from {origin}, which the packing patches do not cover; Transformers would cast it "
-                "to bool and let packed documents attend to each other. Fix: use a covered model "
-                "family (see model_patches.packing_status()), call enable_packing() again after "
-                "importing this model's module, or pass a 0/1 mask without packing"
-            )
-        return original(*args, **kwargs)
-
-    preprocess._packing_original = original  # type: ignore[attr-defined]
-    return preprocess

@@ -41,6 +41,7 @@ __all__ = [
     "StatusRow",
     "apply_records",
     "record_status",
+    "live_records",
     "installed_version",
     "NEWEST_TESTED",
 ]
@@ -287,6 +288,12 @@ def _patch(rec: PatchRecord) -> None:
     setattr(owner, attr, replacement)
     _ACTIVE[rec.target] = [rec, owner, attr, original, replacement, 1]
     logger.info("patched %s (%s)", rec.target, rec.name)
+
+
+def live_records() -> list[PatchRecord]:
+    """Every record currently applied by a live handle, in the order they were applied."""
+    with _LOCK:
+        return [entry[0] for entry in _ACTIVE.values()]
 
 
 def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> list[StatusRow]:

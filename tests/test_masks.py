@@ -13,6 +13,7 @@ from model_patches.masks import (
     document_ids,
     document_lengths,
     is_indexed_mask,
+    reads_as_document_ids,
     same_document_mask_function,
     unpad_documents,
 )
@@ -69,6 +70,26 @@ def test_unpad_documents_gives_one_sequence_per_document(rows) -> None:
     assert document_lengths(mask).tolist() == lengths
 
 
+@given(layouts(), st.sampled_from([torch.int32, torch.float32, torch.bfloat16, torch.float16, torch.bool]))
+def test_every_dtype_reads_as_the_same_documents(rows, dtype) -> None:
+    """Float and bf16 masks of ids mean what the integer mask means; bool is one document per run."""
+    mask = torch.tensor(rows)
+    expect = document_ids(mask != 0) if dtype == torch.bool else document_ids(mask)
+    assert torch.equal(document_ids(mask.to(dtype)), expect)
+    assert reads_as_document_ids(mask.to(dtype)) == (dtype != torch.bool)
+
+
+def test_document_ids_compile_without_graph_breaks() -> None:
+    """No host sync in the id computation or its validation: one graph, and it still refuses."""
+    mask = torch.tensor([[1, 1, 2, 0], [3, 3, 3, 3]])
+    explained = torch._dynamo.explain(document_ids)(mask)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(document_ids, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(mask.float()), document_ids(mask))
+    with pytest.raises(RuntimeError, match=">= 0"):
+        compiled(torch.tensor([[1, -1, 2, 0], [1, 1, 1, 1]]))
+
+
 @given(layouts(), st.one_of(st.none(), st.integers(1, 5)))
 def test_block_causal_mask_matches_the_rule(rows, window) -> None:
     dense = dense_block_causal_mask(torch.tensor(rows), window)
@@ -94,7 +115,9 @@ def test_is_indexed_mask() -> None:
     assert is_indexed_mask(torch.tensor([[1, 1, 2, 0]]))
     assert not is_indexed_mask(torch.tensor([[1, 1, 1, 0]]))  # an ordinary padding mask
     assert not is_indexed_mask(torch.tensor([[True, False]]))
-    assert not is_indexed_mask(torch.tensor([[1.0, 2.0]]))
+    assert is_indexed_mask(torch.tensor([[1.0, 2.0]]))  # a float mask of ids is indexed, not a padding mask
+    assert is_indexed_mask(torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16))
+    assert not is_indexed_mask(torch.tensor([[1.0, 1.0, 0.0]]))
     assert not is_indexed_mask(torch.ones(1, 1, 2, 2, dtype=torch.long) * 2)  # 4D masks are not ours
     assert not is_indexed_mask(None)
 
@@ -103,8 +126,12 @@ def test_is_indexed_mask() -> None:
     "bad, err, match",
     [
         (torch.ones(1, 1, 4, dtype=torch.long), ValueError, "2D"),
-        (torch.ones(1, 4), TypeError, "integers"),
+        (torch.ones(1, 4, dtype=torch.complex64), TypeError, "integers"),
         (torch.tensor([[1, -1]]), ValueError, ">= 0"),
+        (torch.tensor([[1.0, 1.5]]), ValueError, "whole number"),
+        (torch.tensor([[1.0, -1.0]]), ValueError, "whole number"),
+        (torch.tensor([[1.0, float("nan")]]), ValueError, "whole number"),
+        (torch.tensor([[1.0, 300.0]], dtype=torch.bfloat16), ValueError, r"\[0, 256\]"),
         ([[1, 2]], TypeError, "torch.Tensor"),
     ],
 )

@@ -124,3 +124,15 @@ def test_padding_anywhere(family: str, implementation: str) -> None:
             finally:
                 model.eval()
             assert grad <= TOL * max(1.0, scale)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexed_masks_of_every_dtype_keep_documents_apart(dtype: torch.dtype, implementation: str, batch) -> None:
+    """``batch["attention_mask"].float()`` (or bf16) is an indexed mask too, never a bool cast."""
+    model = _model("llama").eval()
+    cast = {**batch, "attention_mask": batch["attention_mask"].to(dtype)}
+    assert logits_gap(model, cast, implementation) > LEAK  # stock casts it to bool: documents leak
+    with enable_packing():
+        gap = logits_gap(model, cast, implementation)
+    assert gap <= TOL, f"{dtype}/{implementation}: packed differs by {gap:.3g}"

@@ -71,15 +71,22 @@ def test_enable_twice_is_noop_and_last_remove_restores_originals() -> None:
     assert _originals() == before
 
 
-def test_plain_masks_pass_through_unchanged() -> None:
-    model = use_attention(tiny_model("llama"), "sdpa")
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_padding_masks_of_every_dtype_mean_what_they_mean_in_stock(implementation: str) -> None:
+    """A 0/1 mask (int, float, bf16) is read as one document per row plus padding: the real tokens'
+    logits equal stock Transformers'; a bool mask passes through untouched (bitwise equal)."""
+    model = use_attention(tiny_model("llama"), implementation)
     b = packed_batch()
-    plain = (b["attention_mask"] != 0).long()
+    plain = b["attention_mask"] != 0
+    plain[1, :2] = False  # left padding in one row as well
     with torch.no_grad():
-        stock = model(input_ids=b["input_ids"], attention_mask=plain).logits
+        stock = model(input_ids=b["input_ids"], attention_mask=plain.long()).logits
         with enable_packing():
-            patched = model(input_ids=b["input_ids"], attention_mask=plain).logits
-    assert torch.equal(stock, patched)
+            for dtype in (torch.long, torch.int32, torch.float32, torch.bfloat16):
+                patched = model(input_ids=b["input_ids"], attention_mask=plain.to(dtype)).logits
+                gap = float((patched - stock)[plain].abs().max())
+                assert gap <= 1e-5, f"{dtype}: real tokens differ from stock by {gap:.3g}"
+            assert torch.equal(model(input_ids=b["input_ids"], attention_mask=plain).logits, stock)
 
 
 def test_other_mask_builders_refuse_an_indexed_mask() -> None:
@@ -206,3 +213,22 @@ def test_late_import_falls_back_after_remove() -> None:
     original = _call_builder(mu.create_causal_mask, config, embeds, INDEXED)
     assert torch.equal(stock, original) and not torch.equal(packed, original)
     assert bool(packed[0, 0, 2, 1]) is False and bool(stock[0, 0, 2, 1]) is True  # doc 2 -> doc 1
+
+
+def test_status_lists_every_live_record_however_it_was_applied() -> None:
+    """Modules patched through model= (not in FAMILIES), the MoE aux-loss records, and one
+    refused row per capability."""
+    from model_patches.family_sweep import tiny_causal_lm
+
+    model = tiny_causal_lm("olmo")
+    assert "olmo" not in FAMILIES
+    target = "transformers.models.olmo.modeling_olmo:create_causal_mask"
+    aux = "transformers.models.mixtral.modeling_mixtral:load_balancing_loss_func"
+    with enable_packing(model=model):
+        rows = packing_status()
+        applied = {r.target for r in rows if r.state == "applied"}  # one row per epoch; one admitted
+        assert target in applied and aux in applied, sorted(applied)
+        refused = [r for r in rows if r.state == "refused"]
+        assert {"alibi", "stateful_mixer", "own_masks"} <= {r.name.split()[1] for r in refused}
+        assert any("bloom" in r.target and "cumsum" in r.reason for r in refused)
+    assert target not in {r.target for r in packing_status() if r.state == "applied"}

@@ -1,0 +1,185 @@
+"""What a family must have document-aware before packing is safe: one record per capability.
+
+Keeping documents apart needs more than the attention mask. Anything else that mixes
+information along the sequence must respect document boundaries too:
+
+- a position bias built from the mask (ALiBi from ``attention_mask.cumsum()``): document ids
+  turn into wrong distances;
+- a recurrent, convolutional or linear-attention mixer (Mamba / SSM, short convolutions,
+  gated delta nets, RWKV, xLSTM): its state runs from one document straight into the next,
+  whatever the mask says;
+- absolute position embeddings (GPT-2 style) fed row positions instead of per-document ones.
+
+Each :class:`Capability` is data: the families (``config.model_type``) it applies to, an optional
+condition on the config (Falcon uses ALiBi only with ``alibi=True``), an optional structural
+detector ``(fqn, module) -> bool`` that finds the same thing in a model whatever its family,
+how packing handles it, and why. A new family is one more name in a record.
+
+Handling:
+
+- ``"refused"``: ``enable_packing(model=...)`` raises at entry, and with plain
+  ``enable_packing()`` the patched mask builders raise when an indexed mask reaches such a
+  family (0/1 padding masks still work as in stock Transformers).
+- ``"per_document_positions"``: accepted only with per-document ``position_ids`` (what
+  ``PackingCollator`` returns); the mask builders check the positions they receive against
+  the document layout and refuse row positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["Capability", "CAPABILITIES", "capabilities_for_config", "refusals_for_model", "detected_in"]
+
+Detector = Callable[[str, torch.nn.Module], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """One sequence-mixing capability and how packing handles it (see module docstring)."""
+
+    name: str
+    families: tuple[str, ...]
+    handling: str
+    reason: str
+    when: Optional[Callable[[Any], bool]] = None
+    detect: Optional[Detector] = None
+    #: families (of ``families``) whose masks and mixers never pass through masking_utils: plain
+    #: ``enable_packing()`` guards their ``*ForCausalLM.forward`` instead of the mask builders.
+    forward_guard: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.handling not in ("refused", "per_document_positions"):
+            raise ValueError(
+                f"Capability.handling must be 'refused' or 'per_document_positions', got {self.handling!r}"
+            )
+
+    def applies_to(self, config: Any) -> bool:
+        """Whether this capability is present in a model with ``config`` (by family and condition)."""
+        if getattr(config, "model_type", None) not in self.families:
+            return False
+        return self.when is None or bool(self.when(config))
+
+
+def _has_parameter(*names: str) -> Detector:
+    def has_parameter(fqn: str, module: torch.nn.Module) -> bool:
+        return any(n in module._parameters for n in names)
+
+    has_parameter.__name__ = f"has_parameter{names}"
+    return has_parameter
+
+
+def _sequence_convolution(fqn: str, module: torch.nn.Module) -> bool:
+    """A depthwise Conv1d over the sequence (Mamba's and LFM2's causal short convolutions)."""
+    return (
+        isinstance(module, torch.nn.Conv1d)
+        and module.kernel_size[0] > 1
+        and module.groups == module.in_channels
+        and module.groups > 1
+    )
+
+
+_RECURRENT_CLASS_WORDS = ("Mamba", "GatedDeltaNet", "LinearAttention", "Lightning", "Rwkv", "xLSTM", "Recurrent", "ShortConv")
+
+
+def _recurrent_class(fqn: str, module: torch.nn.Module) -> bool:
+    name = type(module).__name__
+    return any(word in name for word in _RECURRENT_CLASS_WORDS) and not name.endswith(("Model", "ForCausalLM", "Config"))
+
+
+def _any(*detectors: Detector) -> Detector:
+    def any_of(fqn: str, module: torch.nn.Module) -> bool:
+        return any(d(fqn, module) for d in detectors)
+
+    any_of.__name__ = " | ".join(d.__name__ for d in detectors)
+    return any_of
+
+
+#: Every capability packing knows about, as data.
+CAPABILITIES: tuple[Capability, ...] = (
+    Capability(
+        name="alibi",
+        families=("bloom", "mpt", "falcon"),
+        handling="refused",
+        when=lambda c: c.model_type != "falcon" or bool(getattr(c, "alibi", False)),
+        reason=(
+            "ALiBi position bias built from attention_mask.cumsum(): document ids distort the "
+            "distances and later documents get the wrong bias"
+        ),
+    ),
+    Capability(
+        name="stateful_mixer",
+        families=(
+            "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "falcon_h1", "zamba", "zamba2",
+            "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5",
+            "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp", "qwen4_exp_text",
+            "kimi_linear", "minimax", "olmo_hybrid", "recurrent_gemma", "rwkv", "xlstm",
+            "bailing_hybrid", "glm5_next", "zaya", "inkling_text", "inkling2_text", "inkling2_loop_text", "lara_mini",
+        ),
+        handling="refused",
+        detect=_any(_has_parameter("A_log", "dt_bias"), _sequence_convolution, _recurrent_class),
+        forward_guard=("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
+        reason=(
+            "recurrent / convolutional / linear-attention mixer: its state carries from one "
+            "document into the next whatever the attention mask says"
+        ),
+    ),
+    Capability(
+        name="own_masks",
+        families=("cpmant", "openai-gpt", "xlm", "xlnet", "reformer", "prophetnet"),
+        handling="refused",
+        forward_guard=("cpmant", "openai-gpt", "xlm", "xlnet", "reformer", "prophetnet"),
+        reason=(
+            "builds its attention masks outside masking_utils, where the packing patches cannot "
+            "make them document-aware"
+        ),
+    ),
+    Capability(
+        name="absolute_positions",
+        families=(
+            "gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt", "xglm", "ctrl", "openai-gpt",
+            "trocr", "whisper", "musicgen", "musicgen_melody",
+        ),
+        handling="per_document_positions",
+        reason=(
+            "absolute position embeddings: every document must start at position 0, so pass "
+            "per-document position_ids (PackingCollator returns them)"
+        ),
+    ),
+)
+
+
+def capabilities_for_config(config: Any) -> list[Capability]:
+    """The capabilities of :data:`CAPABILITIES` present in a model with ``config``."""
+    return [c for c in CAPABILITIES if c.applies_to(config)]
+
+
+def detected_in(model: torch.nn.Module, capability: Capability) -> Optional[str]:
+    """Name of the first submodule of ``model`` in which ``capability``'s detector fires, else None."""
+    if capability.detect is None:
+        return None
+    for fqn, module in model.named_modules():
+        if capability.detect(fqn, module):
+            return fqn or type(module).__name__
+    return None
+
+
+def refusals_for_model(model: torch.nn.Module) -> list[tuple[Capability, str]]:
+    """(capability, where) for every refused capability of ``model``: by its configs' families,
+    then by structure (so an unlisted family with, say, a Mamba mixer is refused too)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    out: list[tuple[Capability, str]] = []
+    for cap in CAPABILITIES:
+        if cap.handling != "refused":
+            continue
+        hit = next((c for c in configs.values() if cap.applies_to(c)), None)
+        if hit is not None:
+            out.append((cap, f"model_type {hit.model_type!r}"))
+            continue
+        where = detected_in(model, cap)
+        if where is not None:
+            out.append((cap, f"module {where!r}"))
+    return out

@@ -1,0 +1,231 @@
+"""Guards of the packing records: they refuse what the patches cannot make document-aware.
+
+- ``masking_utils._preprocess_mask_arguments``: an indexed mask that still reaches it came from
+  a model module the builders do not cover, which would silently cast it to bool.
+- ``create_recurrent_attention_mask`` (releases that have it): Mamba / linear-attention / conv
+  layers would scale tokens by their document id and carry state across documents.
+- ``*ForCausalLM.forward`` of refused families whose masks never pass through masking_utils.
+- the builders' own checks: families with a refused capability (ALiBi, stateful mixers), and
+  absolute position embeddings fed row positions (see :mod:`model_patches.capabilities`).
+
+Checks that need data are ``ValueError``s on CPU eager and ``torch._assert_async`` on an
+accelerator or under ``torch.compile`` (a ``RuntimeError`` with the same message): no host sync,
+no graph break.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from .masks import document_positions, reads_as_document_ids
+
+__all__ = [
+    "refuse_if",
+    "refuse_indexed",
+    "refuse_packed_input",
+    "check_positions",
+    "guard_probe",
+    "build_guard",
+    "recurrent_probe",
+    "build_recurrent_guard",
+    "forward_probe",
+    "build_forward_guard",
+]
+
+
+def _params(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _arg(args: tuple, kwargs: dict, names: tuple[str, ...], index: int) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return args[index] if index < len(args) else None
+
+
+def _is_live(target: str, wrapper: Callable) -> bool:
+    module_name, _, attr = target.partition(":")
+    module = sys.modules.get(module_name)
+    return module is not None and getattr(module, attr, None) is wrapper
+
+
+def refuse_if(flag: torch.Tensor, message: str) -> None:
+    """Raise ``message`` where the bool scalar ``flag`` is True.
+
+    CPU eager: ``ValueError`` after reading the flag (free there). Accelerator or compiling:
+    ``torch._assert_async`` (no host sync, no graph break), a ``RuntimeError`` with ``message``.
+    """
+    if flag.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(flag):
+            raise ValueError(message)
+        return
+    torch._assert_async(~flag, message)
+
+
+def refuse_indexed(mask: torch.Tensor, message: str) -> None:
+    """Raise ``message`` unless ``mask`` (2D, read as ids) holds at most one document per row
+    (every value <= 1), see :func:`refuse_if`."""
+    if mask.numel():
+        refuse_if((mask > 1).any(), message)
+
+
+def _family(target: str, config: Any) -> str:
+    module = target.partition(":")[0]
+    kind = getattr(config, "model_type", "?")
+    return module if ".models." in module else f"model_type {kind!r}"
+
+
+def refuse_packed_input(mask: Any, positions: Optional[torch.Tensor], embeds: Any, target: str,
+                         config: Any, refused: list) -> None:
+    """Raise if an indexed mask, or packed position_ids, reach a family packing refuses."""
+    why = "; ".join(f"{c.name}: {c.reason}" for c in refused)
+    message = (
+        f"packing is refused for {_family(target, config)} ({why}). An indexed (packed) mask or "
+        "packed position_ids would leak across documents there. Fix: train this model without "
+        "packing (one document per row, a 0/1 or bool padding mask), or use a covered family "
+        "(model_patches.packing_status())"
+    )
+    flags = []
+    if reads_as_document_ids(mask) and mask.numel():
+        flags.append((mask > 1).any())
+    if positions is not None and positions.shape[-1] > 1 and embeds is not None and embeds.shape[1] == positions.shape[-1]:
+        restarts = positions[:, 1:] != positions[:, :-1] + 1  # packed position_ids mark documents too
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] == positions.shape[-1]:
+            restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)  # only between real tokens
+        flags.append(restarts.any())
+    if flags:
+        flag = flags[0] if len(flags) == 1 else flags[0] | flags[1].to(flags[0].device)
+        refuse_if(flag, message)
+
+
+def check_positions(ids: torch.Tensor, positions: Optional[torch.Tensor], target: str, config: Any) -> None:
+    """Absolute position embeddings: every document after a row's first must start at position 0."""
+    message = (
+        f"{_family(target, config)} uses absolute position embeddings, and it got an indexed "
+        "(packed) mask with row positions: documents after the first would be embedded at the "
+        "wrong positions. Fix: pass per-document position_ids (PackingCollator returns them)"
+    )
+    if positions is None or positions.shape[-1] != ids.shape[1]:
+        refuse_indexed(ids, message.replace(
+            "it got an indexed (packed) mask with row positions",
+            "its mask builder gets no position_ids to check against the documents of an indexed (packed) mask",
+        ))
+        return
+    expected = document_positions(ids)
+    refuse_if(((ids > 1) & (positions.to(ids.device) != expected)).any(), message)
+
+
+def recurrent_probe(fn: Any) -> Optional[str]:
+    """``create_recurrent_attention_mask`` must take (config, inputs_embeds, attention_mask, ...)."""
+    params = _params(fn)
+    if params[:3] not in (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"]):
+        return f"expected parameters (config, inputs_embeds, attention_mask, ...), found {params[:3]}"
+    return None
+
+
+def build_recurrent_guard(target: str) -> Callable[[Any], Any]:
+    """Builder of a ``create_recurrent_attention_mask`` that refuses an indexed mask.
+
+    Transformers hands that 2D mask to Mamba / linear-attention / convolution layers, which
+    multiply hidden states by it and carry their state across it: an indexed mask would scale
+    tokens by their document id and leak state between documents, whatever the family.
+    """
+
+    def build(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def recurrent_mask(*args: Any, **kwargs: Any) -> Any:
+            mask = _arg(args, kwargs, ("attention_mask",), 2)
+            if reads_as_document_ids(mask) and _is_live(target, recurrent_mask):
+                config = _arg(args, kwargs, ("config",), 0)
+                refuse_indexed(mask, (
+                    f"packing is refused for {_family(target, config)} (stateful_mixer: its "
+                    "recurrent / convolutional / linear-attention layers carry state from one "
+                    "document into the next whatever the attention mask says). Fix: train this "
+                    "model without packing (one document per row, a 0/1 or bool padding mask)"
+                ))
+            return original(*args, **kwargs)
+
+        recurrent_mask._packing_original = original  # type: ignore[attr-defined]
+        return recurrent_mask
+
+    return build
+
+
+def forward_probe(fn: Any) -> Optional[str]:
+    """A model ``forward`` guarded by :func:`build_forward_guard` must take ``attention_mask``."""
+    if "attention_mask" not in _params(fn):
+        return f"expected an 'attention_mask' parameter, found {_params(fn)}"
+    return None
+
+
+def build_forward_guard(family: str, reason: str) -> Callable[[Any], Any]:
+    """Builder of a model ``forward`` that refuses an indexed mask (families whose masks and
+    mixers never pass through masking_utils)."""
+
+    def build(original: Callable) -> Callable:
+        index = _params(original).index("attention_mask")
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            mask = _arg(args, kwargs, ("attention_mask",), index)
+            if reads_as_document_ids(mask):
+                refuse_indexed(mask, (
+                    f"packing is refused for model_type {family!r} ({reason}). An indexed "
+                    "(packed) mask would leak across documents. Fix: train this model without "
+                    "packing (one document per row, a 0/1 or bool padding mask)"
+                ))
+            return original(*args, **kwargs)
+
+        forward._packing_original = original  # type: ignore[attr-defined]
+        return forward
+
+    return build
+
+
+def _calling_module(frame: Any) -> str:
+    """The first module up the stack outside masking_utils and Transformers' decorators."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "?")
+        if not name.startswith(("transformers.masking_utils", "transformers.utils", "model_patches", "functools")):
+            return name
+        frame = frame.f_back
+    return "?"
+
+
+def guard_probe(fn: Any) -> Optional[str]:
+    """The mask preprocessor must take (config, inputs_embeds, attention_mask, ...)."""
+    params = _params(fn)
+    if len(params) < 3 or params[2] != "attention_mask":
+        return f"expected 'attention_mask' as third parameter, found {params[:4]}"
+    return None
+
+
+def build_guard(original: Callable) -> Callable:
+    """``_preprocess_mask_arguments`` that refuses an indexed mask instead of casting it to bool."""
+
+    @functools.wraps(original)
+    def preprocess(*args: Any, **kwargs: Any) -> Any:
+        mask = _arg(args, kwargs, ("attention_mask",), 2)
+        if reads_as_document_ids(mask):
+            where = "masking_utils"
+            if not torch.compiler.is_compiling():
+                caller = sys._getframe(1)
+                where = f"masking_utils.{caller.f_code.co_name} from {_calling_module(caller)}"
+            refuse_indexed(
+                mask,
+                f"an indexed (packed) attention mask reached {where}, which the packing patches do "
+                "not cover; Transformers would cast it to bool and let packed documents attend to "
+                "each other. Fix: use a covered model family (see model_patches.packing_status()), "
+                "call enable_packing() again after importing this model's module, or pass a 0/1 "
+                "mask without packing",
+            )
+        return original(*args, **kwargs)
+
+    preprocess._packing_original = original  # type: ignore[attr-defined]
+    return preprocess
