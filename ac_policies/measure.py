@@ -144,10 +144,11 @@ class KeptBytes:
 
 
 class _Outputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor a forward op produces."""
+    """Weak references to the storage of every tensor an op produces, except ``owned`` storage."""
 
-    def __init__(self) -> None:
+    def __init__(self, owned: frozenset = frozenset()) -> None:
         super().__init__()
+        self.owned = owned
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -157,7 +158,7 @@ class _Outputs(TorchDispatchMode):
                 st = t.untyped_storage()
                 key = st.data_ptr()
                 old = self.refs.get(key)
-                if key and (old is None or old[0].expired()):
+                if key and key not in self.owned and (old is None or old[0].expired()):
                     self.refs[key] = (StorageWeakRef(st), st.nbytes())
         return out
 
@@ -196,29 +197,20 @@ class StepBytes:
     peak: int
 
 
-class _Live(TorchDispatchMode):
+class _Live(_Outputs):
     """Bytes of op outputs alive after each op, and their maximum."""
 
     def __init__(self, owned: set) -> None:
-        super().__init__()
-        self.owned = owned
-        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        super().__init__(frozenset(owned))
         self.peak = 0
 
     def total(self) -> int:
-        for key in [k for k, (ref, _) in self.alive.items() if ref.expired()]:
-            del self.alive[key]
-        return sum(n for _, n in self.alive.values())
+        for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
+            del self.refs[key]
+        return sum(n for _, n in self.refs.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                old = self.alive.get(key)
-                if key and key not in self.owned and (old is None or old[0].expired()):
-                    self.alive[key] = (StorageWeakRef(st), st.nbytes())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         self.peak = max(self.peak, self.total())
         return out
 
@@ -241,7 +233,7 @@ def step_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepByt
         loss = forward()
     gc.collect()
     loss_ptr = loss.untyped_storage().data_ptr()
-    kept = sum(n for key, (ref, n) in mode.alive.items() if not ref.expired() and key != loss_ptr)
+    kept = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key != loss_ptr)
     with mode:
         loss.backward()
     del loss
