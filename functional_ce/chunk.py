@@ -1,8 +1,11 @@
 """The per-chunk cross-entropy maths: pure functions, the graphs that torch.compile sees.
 
-Both functions take one chunk of rows ``[c, V]`` in the input dtype and work in fp32.
+Each function takes one chunk of rows ``[c, V]`` in the input dtype and works in fp32.
 Backward uses the closed-form gradient and recomputes the softmax from the saved
-``logsumexp``; nothing here calls autograd.
+``logsumexp``; nothing here calls autograd. Under vocabulary parallelism a chunk holds the
+columns ``[opts.vocab_start, opts.vocab_start + V_local)`` of ``opts.n_classes``:
+:func:`chunk_stats` gives the per-slice statistics that are combined across processes, and
+:func:`chunk_backward` is exact on the slice once given the global ``logsumexp``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,30 @@ def chunk_forward(
     return torch.where(valid, loss, 0.0), lse
 
 
+def chunk_stats(
+    logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, *, opts: ChunkOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What one vocabulary slice of a chunk contributes to each row's loss.
+
+    Args:
+        logits_chunk: ``[c, V_local]``, the columns ``[opts.vocab_start, opts.vocab_start + V_local)``
+            of the full vocabulary, fp32, bf16 or fp16.
+        labels_chunk: ``[c]`` global class ids or ``opts.ignore_index``.
+        opts: the loss options.
+
+    Returns:
+        ``(lse, target, total)``, fp32 ``[c]`` each: the logsumexp of the slice's (soft-capped)
+        logits, the target's logit where the target lies in the slice (else 0), and the sum of
+        the slice's logits (what label smoothing needs). Summing ``exp(lse)``, ``target`` and
+        ``total`` over all slices gives the full-vocabulary quantities.
+    """
+    x = _capped_fp32(logits_chunk, opts)
+    local = labels_chunk.long() - opts.vocab_start
+    here = (labels_chunk != opts.ignore_index) & (local >= 0) & (local < x.shape[-1])
+    target = x.gather(-1, torch.where(here, local, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.logsumexp(x, dim=-1), torch.where(here, target, 0.0), x.sum(dim=-1)
+
+
 def chunk_backward(
     logits_chunk: torch.Tensor,
     labels_chunk: torch.Tensor,
@@ -58,9 +85,10 @@ def chunk_backward(
     """Gradient of ``sum(grad_rows * loss_rows)`` with respect to one chunk of logits.
 
     Args:
-        logits_chunk: ``[c, V]``, the same values :func:`chunk_forward` saw.
+        logits_chunk: ``[c, V]``, the same values :func:`chunk_forward` saw (or the
+            vocabulary slice that :func:`chunk_stats` saw).
         labels_chunk: ``[c]`` integer class ids.
-        lse: ``[c]`` fp32 from :func:`chunk_forward`.
+        lse: ``[c]`` fp32 from :func:`chunk_forward` (the full vocabulary's logsumexp).
         grad_rows: ``[c]`` fp32 upstream gradient of each row's loss.
         opts: the loss options.
 
@@ -74,11 +102,11 @@ def chunk_backward(
     eps = opts.label_smoothing
     p_scale = g * (1.0 + 2.0 * opts.z_loss * lse) if opts.z_loss > 0.0 else g
     probs = torch.exp(x - lse.unsqueeze(-1))
-    cols = torch.arange(x.shape[-1], device=x.device)
+    cols = torch.arange(x.shape[-1], device=x.device) + opts.vocab_start
     hit = cols.unsqueeze(0) == safe.unsqueeze(-1)
     grad = probs * p_scale.unsqueeze(-1) - torch.where(hit, (g * (1.0 - eps)).unsqueeze(-1), 0.0)
     if eps > 0.0:
-        grad = grad - (g * (eps / x.shape[-1])).unsqueeze(-1)
+        grad = grad - (g * (eps / (opts.n_classes or x.shape[-1]))).unsqueeze(-1)
     if opts.softcap is not None:
         t = x / opts.softcap
         grad = grad * (1.0 - t * t)

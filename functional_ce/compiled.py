@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
-from .chunk import chunk_backward, chunk_forward
+from .chunk import chunk_backward, chunk_forward, chunk_stats
 from .options import ChunkOptions
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,18 @@ def forward_into(
     loss, lse = chunk_forward(logits_chunk, labels_chunk, opts=opts)
     loss_out.copy_(loss)
     lse_out.copy_(lse)
+
+
+def stats_into(
+    lse_out: torch.Tensor, target_out: torch.Tensor, total_out: torch.Tensor, logits_chunk: torch.Tensor,
+    labels_chunk: torch.Tensor, *, opts: ChunkOptions,
+) -> None:
+    """:func:`~functional_ce.chunk.chunk_stats` of one chunk of a vocabulary slice, written into
+    three ``[c]`` fp32 outputs."""
+    lse, target, total = chunk_stats(logits_chunk, labels_chunk, opts=opts)
+    lse_out.copy_(lse)
+    target_out.copy_(target)
+    total_out.copy_(total)
 
 
 def backward_into(

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .chunk import chunk_backward, chunk_forward
+from .chunk import chunk_backward, chunk_forward, chunk_stats
 from .options import ChunkOptions
 
 
@@ -41,6 +41,19 @@ def linear_chunk_forward(
     """
     logits = F.linear(hidden_chunk, weight, bias)
     return chunk_forward(logits, labels_chunk, opts=opts)
+
+
+def linear_chunk_stats(
+    hidden_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels_chunk: torch.Tensor,
+    *,
+    opts: ChunkOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~functional_ce.chunk.chunk_stats` of the logits ``hidden_chunk @ weight.T (+ bias)``,
+    where ``weight`` ``[V_local, H]`` holds the classes from ``opts.vocab_start`` on."""
+    return chunk_stats(F.linear(hidden_chunk, weight, bias), labels_chunk, opts=opts)
 
 
 def linear_chunk_backward(

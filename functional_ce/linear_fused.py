@@ -65,6 +65,8 @@ def _linear_ce_fused_impl(
     label_smoothing: float,
     z_loss: float,
     softcap: Optional[float],
+    vocab_start: int,
+    n_classes: Optional[int],
     chunk_size: int,
     compile_chunks: Optional[bool],
     need_hidden: bool,
@@ -77,7 +79,7 @@ def _linear_ce_fused_impl(
     ``loss = sum(coef * loss_rows)``; the gradients are those of ``loss``, in the input dtypes,
     an empty ``[0]`` tensor where not asked for.
     """
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     rows = ValidRows.of(labels, ignore_index)
     h, y, c = rows.take(hidden), rows.take(labels), rows.take(coef)
     loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
@@ -99,8 +101,8 @@ linear_ce_fused = torch.library.custom_op(f"{_LIB}::linear_ce_fused", mutates_ar
 
 
 @linear_ce_fused.register_fake
-def _(hidden, weight, bias, labels, coef, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
-      compile_chunks, need_hidden, need_weight, need_bias):
+def _(hidden, weight, bias, labels, coef, *options_and_needs):
+    need_hidden, need_weight, need_bias = options_and_needs[-3:]
     n = hidden.shape[0]
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0)
@@ -119,7 +121,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], *unused: Any) -> tuple:
     loss_rows, grad_h, grad_w, grad_b, hidden, weight, bias = ctx.saved_tensors
-    no_grads = (None,) * 9
+    no_grads = (None,) * 11
     if grad_loss is None:
         return (None,) * 5 + no_grads
     scale = grad_loss.float()

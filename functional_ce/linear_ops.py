@@ -42,11 +42,13 @@ def _linear_ce_forward_impl(
     label_smoothing: float,
     z_loss: float,
     softcap: Optional[float],
+    vocab_start: int,
+    n_classes: Optional[int],
     chunk_size: int,
     compile_chunks: Optional[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``hidden [N, H]``, ``weight [V, H]``, ``bias [V]?``, ``labels [N]`` -> fp32 ``(loss_rows, lse)`` ``[N]``."""
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     rows = ValidRows.of(labels, ignore_index)
     h, y = rows.take(hidden), rows.take(labels)
     n = h.shape[0]
@@ -65,7 +67,7 @@ linear_ce_forward = torch.library.custom_op(f"{_LIB}::linear_ce_forward", mutate
 
 
 @linear_ce_forward.register_fake
-def _(hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks):
+def _(hidden, weight, bias, labels, *options):
     n = hidden.shape[0]
     return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
 
@@ -165,6 +167,8 @@ def _linear_ce_backward_impl(
     label_smoothing: float,
     z_loss: float,
     softcap: Optional[float],
+    vocab_start: int,
+    n_classes: Optional[int],
     chunk_size: int,
     compile_chunks: Optional[bool],
     need_hidden: bool,
@@ -176,7 +180,7 @@ def _linear_ce_backward_impl(
     Returns ``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])`` in the input dtypes; a
     gradient that was not asked for comes back as an empty ``[0]`` tensor.
     """
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     rows = ValidRows.of(labels, ignore_index)
     h, y, lse, grad_rows = (rows.take(t) for t in (hidden, labels, lse, grad_rows))
     grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias)
@@ -198,8 +202,8 @@ linear_ce_backward = torch.library.custom_op(f"{_LIB}::linear_ce_backward", muta
 
 
 @linear_ce_backward.register_fake
-def _(grad_rows, hidden, weight, bias, labels, lse, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
-      compile_chunks, need_hidden, need_weight, need_bias):
+def _(grad_rows, hidden, weight, bias, labels, lse, *options_and_needs):
+    need_hidden, need_weight, need_bias = options_and_needs[-3:]
     grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
     grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0)
     grad_b = bias.new_empty(bias.shape) if (need_bias and bias is not None) else weight.new_empty(0)
@@ -207,8 +211,8 @@ def _(grad_rows, hidden, weight, bias, labels, lse, ignore_index, label_smoothin
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    hidden, weight, bias, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks = inputs
-    ctx.opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    hidden, weight, bias, labels, *options, chunk_size, compile_chunks = inputs
+    ctx.opts = ChunkOptions(*options)
     ctx.chunk_size = chunk_size
     ctx.compile_chunks = compile_chunks
     ctx.has_bias = bias is not None
@@ -219,7 +223,7 @@ def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[to
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = bool(need_b and ctx.has_bias)
-    no_grads = (None,) * 7
+    no_grads = (None,) * 9
     if grad_loss is None or not (need_h or need_w or need_b):
         return (None, None, None) + no_grads
     with torch.no_grad():

@@ -29,6 +29,8 @@ def _chunked_ce_forward_impl(
     label_smoothing: float,
     z_loss: float,
     softcap: Optional[float],
+    vocab_start: int,
+    n_classes: Optional[int],
     chunk_size: int,
     compile_chunks: Optional[bool],
     inplace_grad: bool,
@@ -37,7 +39,7 @@ def _chunked_ce_forward_impl(
 
     ``inplace_grad`` only tells the backward formula where to write the gradient.
     """
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     n = logits.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -52,7 +54,7 @@ chunked_ce_forward = torch.library.custom_op(f"{_LIB}::chunked_ce_forward", _chu
 
 
 @chunked_ce_forward.register_fake
-def _(logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace_grad):
+def _(logits, labels, *options):
     n = logits.shape[0]
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
@@ -67,6 +69,8 @@ def _chunked_ce_backward_into_impl(
     label_smoothing: float,
     z_loss: float,
     softcap: Optional[float],
+    vocab_start: int,
+    n_classes: Optional[int],
     chunk_size: int,
     compile_chunks: Optional[bool],
 ) -> None:
@@ -75,7 +79,7 @@ def _chunked_ce_backward_into_impl(
     ``out`` is a buffer of the logits' shape and dtype, or ``logits`` itself: each chunk's
     gradient is computed from the chunk's logits and then stored over them.
     """
-    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     n = logits.shape[0]
     for start in range(0, n, chunk_size):
         rows = slice(start, min(start + chunk_size, n))
@@ -91,14 +95,13 @@ chunked_ce_backward_into = torch.library.custom_op(
 
 
 @chunked_ce_backward_into.register_fake
-def _(grad_rows, logits, labels, lse, out, ignore_index, label_smoothing, z_loss, softcap, chunk_size,
-      compile_chunks):
+def _(grad_rows, logits, labels, lse, out, *options):
     return None
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    logits, labels, ignore_index, label_smoothing, z_loss, softcap, chunk_size, compile_chunks, inplace = inputs
-    ctx.opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap)
+    logits, labels, *options, chunk_size, compile_chunks, inplace = inputs
+    ctx.opts = ChunkOptions(*options)
     ctx.chunk_size = chunk_size
     ctx.compile_chunks = compile_chunks
     ctx.inplace_grad = inplace
@@ -107,7 +110,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
     logits, labels, lse = ctx.saved_tensors
-    no_grads = (None,) * 8
+    no_grads = (None,) * 10
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return (None,) + no_grads
     with torch.no_grad():

@@ -32,12 +32,18 @@ class ChunkOptions:
         label_smoothing: epsilon of ``torch.nn.functional.cross_entropy``'s definition, in [0, 1].
         z_loss: coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
         softcap: if set, logits are replaced by ``softcap * tanh(logits / softcap)`` first.
+        vocab_start: the class id of a chunk's first column: 0, or where this process's slice
+            of a vocabulary-parallel (sharded) vocabulary starts.
+        n_classes: the full vocabulary size V when a chunk holds only a slice of it (label
+            smoothing spreads ``eps / V`` over all V classes); None when a chunk holds them all.
     """
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: Optional[float] = None
+    vocab_start: int = 0
+    n_classes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
@@ -53,13 +59,24 @@ class ChunkOptions:
             if not 0.0 < cap < math.inf:
                 raise ValueError(f"softcap must be None or a finite number > 0, got {self.softcap!r}")
             object.__setattr__(self, "softcap", cap)
+        start = self.vocab_start
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or start < 0:
+            raise ValueError(f"vocab_start must be an int >= 0, got {self.vocab_start!r}")
+        if self.n_classes is not None and (
+            isinstance(self.n_classes, bool) or not isinstance(self.n_classes, numbers.Integral) or self.n_classes < 1
+        ):
+            raise ValueError(f"n_classes must be None or an int >= 1, got {self.n_classes!r}")
+        object.__setattr__(self, "vocab_start", int(self.vocab_start))
+        if self.n_classes is not None:
+            object.__setattr__(self, "n_classes", int(self.n_classes))
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
         object.__setattr__(self, "label_smoothing", ls)
         object.__setattr__(self, "z_loss", z)
 
-    def op_args(self) -> tuple[int, float, float, Optional[float]]:
-        """``(ignore_index, label_smoothing, z_loss, softcap)``, as the custom operators take them."""
-        return (self.ignore_index, self.label_smoothing, self.z_loss, self.softcap)
+    def op_args(self) -> tuple[int, float, float, Optional[float], int, Optional[int]]:
+        """``(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)``, as the
+        custom operators take them."""
+        return dataclasses.astuple(self)
 
 
 def _real(name: str, value: object) -> float:
@@ -133,6 +150,15 @@ def check_reduction(reduction: object, num_label_tokens: object) -> None:
         value = float(num_label_tokens)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"num_label_tokens must be a finite count >= 0, got {value!r}")
+
+
+def is_dtensor(t: object) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed support)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def check_float(name: str, t: object) -> torch.Tensor:

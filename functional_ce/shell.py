@@ -68,13 +68,15 @@ def plan_loss(
     chunk_size: ChunkSize,
     auto_chunk_bytes: Optional[int] = None,
     auto_chunk_rows: Optional[int] = None,
+    row_classes: Optional[int] = None,
 ) -> LossPlan:
     """Check every argument but the float input(s) and turn them into a :class:`LossPlan`.
 
     ``what`` names the float input (``"logits"`` / ``"hidden"``) in error messages;
     ``auto_chunk_bytes`` is the fp32 ``[chunk_rows, n_classes]`` budget of ``chunk_size="auto"``
     (default :data:`~functional_ce.options.AUTO_CHUNK_BYTES`) and ``auto_chunk_rows`` the rows it
-    aims for within that budget (None: as many as fit).
+    aims for within that budget (None: as many as fit). ``row_classes`` is how many columns one
+    chunk row holds (default ``n_classes``; this process's slice under vocabulary parallelism).
     """
     labels = check_labels(labels, batch_shape, device, what)
     check_token_tensor("mask", mask, batch_shape, device)
@@ -85,7 +87,8 @@ def plan_loss(
     labels1d = labels.reshape(-1).long()
     if mask is not None:
         labels1d = torch.where(mask.reshape(-1).bool(), labels1d, opts.ignore_index)
-    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], n_classes * 4, auto_chunk_bytes, auto_chunk_rows)
+    row_bytes = (n_classes if row_classes is None else row_classes) * 4
+    rows = resolve_chunk_size(chunk_size, labels1d.shape[0], row_bytes, auto_chunk_bytes, auto_chunk_rows)
     return LossPlan(opts, labels1d, batch_shape, rows, weights, reduction, num_label_tokens)
 
 
