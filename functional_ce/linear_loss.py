@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import linear_fused, linear_ops
-from .options import ChunkSize, Reduction, check_float
+from .options import ChunkSize, Reduction, check_float, is_dtensor
 from .shell import Count, check_compile_chunks, plan_loss, reduce_rows, row_coefficients
 
 #: ``chunk_size="auto"`` for the hidden-state loss is set by matmul efficiency within a memory
@@ -130,6 +130,17 @@ def linear_cross_entropy(
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear_inputs(hidden, weight, bias)
     check_compile_chunks(compile_chunks)
+    if not isinstance(recompute_logits_in_backward, bool):
+        raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
+    if is_dtensor(weight) or is_dtensor(hidden):
+        from .vocab_parallel import vocab_parallel_linear_cross_entropy
+
+        return vocab_parallel_linear_cross_entropy(
+            hidden, weight, labels, bias=bias, ignore_index=ignore_index, mask=mask, weights=weights,
+            reduction=reduction, num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss,
+            softcap=softcap, chunk_size=chunk_size, compile_chunks=compile_chunks,
+            auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
+        )
     n_classes, width = weight.shape
     plan = plan_loss(
         labels, batch_shape=hidden.shape[:-1], n_classes=n_classes, device=hidden.device, what="hidden",
@@ -137,8 +148,6 @@ def linear_cross_entropy(
         num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
         chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
     )
-    if not isinstance(recompute_logits_in_backward, bool):
-        raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
     hidden2d = hidden.reshape(-1, width)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if plan.reduction != "none" and not recompute_logits_in_backward and torch.is_grad_enabled() and any(needs):

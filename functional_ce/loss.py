@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .options import ChunkSize, Reduction, check_float
+from .options import ChunkSize, Reduction, check_float, is_dtensor
 from .shell import Count, check_compile_chunks, plan_loss, reduce_rows
 
 
@@ -83,16 +83,24 @@ def cross_entropy(
     if not isinstance(inplace_grad, bool):
         raise TypeError(f"inplace_grad must be a bool, got {inplace_grad!r}")
     check_compile_chunks(compile_chunks)
+    if inplace_grad and torch.compiler.is_compiling():
+        # Functionalization would clone the logits and still destroy them: keep them instead
+        # (documented; dynamo cannot trace a logging call here without a graph break).
+        inplace_grad = False
+    if is_dtensor(logits):
+        from .vocab_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(
+            logits, labels, ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
+            num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            chunk_size=chunk_size, inplace_grad=inplace_grad, compile_chunks=compile_chunks,
+        )
     plan = plan_loss(
         labels, batch_shape=logits.shape[:-1], n_classes=n_classes, device=logits.device, what="logits",
         ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
         num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
         chunk_size=chunk_size,
     )
-    if inplace_grad and torch.compiler.is_compiling():
-        # Functionalization would clone the logits and still destroy them: keep them instead
-        # (documented; dynamo cannot trace a logging call here without a graph break).
-        inplace_grad = False
     loss_rows, _ = ops.chunked_ce_forward(
         logits.reshape(-1, n_classes), plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks,
         inplace_grad,
