@@ -19,4 +19,15 @@ timeout 300 python -m bench --device cuda --only ce lce --no-progress \
     --ce-shape 16384,128256 --ce-repeats 10 \
     --lce-shape 16384,4096,128256 \
     --json "$out/bench.json" --plot "$out/plots" 2>&1 | tee "$out/bench.txt" || status=1
+# 3. Vocabulary-parallel losses over every GPU of the machine (nccl, one process per GPU).
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    worlds=2; [ "$gpus" -ge 4 ] && worlds=2,4
+    timeout 600 python -m bench --device cuda --only dist --no-progress --dist-worlds "$worlds" \
+        --dist-shape 16384,128256 --dist-hidden-shape 16384,4096,128256 --dist-hidden-dtype bf16 \
+        --json "$out/bench_dist.json" --plot "$out/plots" 2>&1 | tee "$out/bench_dist.txt" || status=1
+else
+    echo "dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
+        | tee "$out/bench_dist.txt"
+fi
 exit $status

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
-def lines_vs_n(by_n: dict[Any, dict[str, dict[str, Any]]], out_dir: Path, *, stem: str, title: str) -> list[Path]:
-    """Write ``{stem}_time.png`` and ``{stem}_memory.png`` from ``{N: {variant: measurement dict}}``."""
+#: (measurement key, axis label, scale to the axis unit, file suffix) of the default plots.
+TIME_AND_MEMORY = (
+    ("seconds", "forward+backward time (ms)", 1e3, "time"),
+    ("peak_extra_bytes", "peak extra memory (MiB)", 1 / 2**20, "memory"),
+)
+
+
+def lines_vs_n(by_n: dict[Any, dict[str, dict[str, Any]]], out_dir: Path, *, stem: str, title: str,
+               metrics: Sequence[tuple[str, str, float, str]] = TIME_AND_MEMORY) -> list[Path]:
+    """Write ``{stem}_{suffix}.png`` per metric (default: time and memory) from
+    ``{N: {variant: measurement dict}}``; a metric every variant measured as 0 gets no plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,15 +25,12 @@ def lines_vs_n(by_n: dict[Any, dict[str, dict[str, Any]]], out_dir: Path, *, ste
     ns = sorted(int(n) for n in by_n)
     variants = list(next(iter(by_n.values())))
     paths = []
-    for key, label, scale, fname in (
-        ("seconds", "forward+backward time (ms)", 1e3, "time"),
-        ("peak_extra_bytes", "peak extra memory (MiB)", 1 / 2**20, "memory"),
-    ):
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        floor = None
+    for key, label, scale, fname in metrics:
         values = [m.get(key) for row in by_n.values() for m in row.values() if m.get(key)]
-        if values:
-            floor = min(values) * scale / 10  # a measured 0 is drawn here, on the log axis
+        if not values:
+            continue  # every variant measured 0 (or nothing): no log-axis plot to draw
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        floor = min(values) * scale / 10  # a measured 0 is drawn here, on the log axis
         for var in variants:
             pts = [(n, by_n[n if n in by_n else str(n)][var].get(key)) for n in ns]
             pts = [(n, max(y * scale, floor)) for n, y in pts if y is not None and floor is not None]

@@ -3,7 +3,8 @@
 ``cross_entropy`` works from logits, ``linear_cross_entropy`` from hidden states (it never builds
 the logits); ``CrossEntropyLoss`` / ``LinearCrossEntropyLoss`` are their ``nn.Module`` forms. The
 per-chunk functions ``chunk_forward`` and ``chunk_backward`` are the pure graphs that
-torch.compile sees. This package never imports ``transformers``.
+torch.compile sees. Both loss forms take DTensors sharded over the vocabulary (tensor
+parallelism, :mod:`functional_ce.vocab_parallel`). This package never imports ``transformers``.
 """
 
 from .chunk import chunk_backward, chunk_forward

@@ -120,6 +120,13 @@ def linear_cross_entropy(
     Returns:
         fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
 
+    Tensor parallel: ``weight`` (and ``bias``) may be a DTensor ``Shard(0)`` over one mesh dim (a
+    column-parallel LM head) with ``hidden`` a DTensor on the same mesh, ``Replicate()`` or sharded
+    over a token dim (sequence parallel); the result is a DTensor ``Replicate()``. Each process
+    builds only its slice of each chunk's logits; backward always recomputes them there (the
+    statistics are combined across processes before any gradient exists), and DTensor reduces
+    the hidden gradient once. See :mod:`functional_ce.vocab_parallel`.
+
     Under ``torch.autocast``, hidden, weight and bias are first cast to the autocast dtype, as
     ``F.linear`` would cast them; their gradients come back in their own dtype.
 

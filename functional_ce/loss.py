@@ -69,6 +69,13 @@ def cross_entropy(
     Returns:
         fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
 
+    Tensor parallel: ``logits`` may be a DTensor sharded over the vocabulary (``Shard(-1)`` on one
+    mesh dim, ``Replicate()`` on the others; uneven shards allowed). Each process then works on
+    its own shard, forward adds two all-reduces of O(N) fp32 statistics, backward communicates
+    nothing, every option keeps its meaning over the full vocabulary, and the result is a
+    DTensor ``Replicate()``. ``labels``, ``mask`` and ``weights`` are then plain tensors equal on
+    every process or ``Replicate()`` DTensors. See :mod:`functional_ce.vocab_parallel`.
+
     Raises:
         TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range. Labels
         outside ``[0, V)`` are checked in eager mode only; under torch.compile they are not

@@ -4,7 +4,8 @@ counts matmul FLOPs.
 Custom operators of ``functional_ce`` are opened up: their Python implementation runs under
 the same mode, so allocations and matmuls inside the chunk loops are seen too (torch's own
 ``FlopCounterMode`` sees each operator as one opaque call). Compiled chunk graphs do not run
-under a dispatch mode: the chunk maths runs eagerly there.
+under a dispatch mode: the chunk maths runs eagerly there. For an operator on DTensors the mode
+steps aside, so what is recorded are the local tensors each process allocates.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from torch.utils._pytree import tree_leaves
 
 from torch.utils.flop_counter import flop_registry
 
-from functional_ce import linear_fused, linear_ops, ops
+from functional_ce import linear_fused, linear_ops, ops, vocab_ops
 
-IMPLEMENTATIONS = {**ops.IMPLEMENTATIONS, **linear_ops.IMPLEMENTATIONS, **linear_fused.IMPLEMENTATIONS}
+IMPLEMENTATIONS = {
+    **ops.IMPLEMENTATIONS, **linear_ops.IMPLEMENTATIONS, **linear_fused.IMPLEMENTATIONS, **vocab_ops.IMPLEMENTATIONS,
+}
 
 # Operators whose outputs are views or the mutated input, not new storage.
 _NO_ALLOC = {"aten::view", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::unsqueeze",
@@ -39,6 +42,8 @@ class AllocationTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
+        if _has_dtensor(types):
+            return NotImplemented  # let DTensor run first; its local operators come back here
         name = func._schema.name
         impl = IMPLEMENTATIONS.get(name)
         if impl is not None:
@@ -69,6 +74,14 @@ def _flops(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         return 2 * out.numel() * args[_CONTRACTING_ARG[name]].shape[-1]
     count = flop_registry.get(func._overloadpacket)
     return 0 if count is None else int(count(*args, **kwargs, out_val=out))
+
+
+def _has_dtensor(types: Any) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(issubclass(t, DTensor) for t in types)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

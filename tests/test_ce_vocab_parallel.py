@@ -249,6 +249,25 @@ def test_compiled_chunk_graphs_serve_each_slice(pool):
         assert torch.allclose(c, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["logits", "hidden"])
+def test_no_tokens_by_vocabulary_buffer_beyond_a_chunk(pool, form):
+    """Each process allocates vocabulary-wide buffers of one chunk at most, besides the gradient
+    it must return: the logits' gradient ``[N, V_local]`` (in the logits' dtype) or the weight's
+    ``[V_local, H]``. No fp32 ``[N, V_local]`` copy, and no ``[N, V_local]`` logits from hidden states."""
+    # 510 classes: even shards, so autograd stores the logits' gradient as it is (with uneven
+    # shards it copies it into the leaf's layout, see test_inplace_gradient_is_the_logits_storage).
+    n, h, chunk = 64, 16, 8
+    per_rank = pool.run(tasks.traced_allocations, (2,), form, n, h, 510, chunk)
+    for r in per_rank[:2]:
+        local_v = r["local_v"]
+        # A same-dtype .to() returns its input: not an allocation.
+        by_vocab = [(op, shape, dtype) for op, shape, dtype in r["records"] if local_v in shape and op != "aten::to"]
+        assert any(math.prod(shape) == chunk * local_v for _, shape, _ in by_vocab), "no chunk of local logits"
+        larger = [rec for rec in by_vocab if math.prod(rec[1]) > chunk * local_v]
+        allowed = (n, local_v) if form == "logits" else (local_v, h)
+        assert [shape for _, shape, _ in larger] == [allowed], larger
+
+
 @pytest.mark.parametrize("case", tasks.LAYOUT_ERRORS, ids=[c for c in tasks.LAYOUT_ERRORS])
 def test_unsupported_layouts_raise_naming_the_placements(pool, case):
     messages = pool.run(tasks.raises, (2, 2), case)

@@ -206,6 +206,29 @@ def degenerate_linear_case(mesh, labels_kind):
             "reference": (ref.detach(), [t.grad for t in leaves])}
 
 
+def traced_allocations(mesh, form, n, h, v, chunk_size):
+    """Every tensor the loss allocates on this process (forward and backward), recorded by
+    :class:`tests.alloc_trace.AllocationTrace` as ``(op, shape, dtype)``, and this process's
+    number of classes. Hidden states are sequence parallel (sharded over tokens)."""
+    from tests.alloc_trace import AllocationTrace
+
+    if mesh is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, v, (n,), generator=g)
+    logits = distribute_tensor(torch.randn(n, v, generator=g), mesh, [Shard(1)]).requires_grad_()
+    hidden = distribute_tensor(torch.randn(n, h, generator=g), mesh, [Shard(0)]).requires_grad_()
+    weight = distribute_tensor(torch.randn(v, h, generator=g), mesh, [Shard(0)]).requires_grad_()
+    local_v = logits.to_local().shape[1]
+    with AllocationTrace() as trace:
+        if form == "logits":
+            loss = functional_ce.cross_entropy(logits, labels, chunk_size=chunk_size, label_smoothing=0.1)
+        else:
+            loss = functional_ce.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size)
+        loss.to_local().backward()
+    return {"records": trace.records, "local_v": local_v}
+
+
 def _dt(mesh, t, *placements):
     return distribute_tensor(t, mesh, list(placements))
 

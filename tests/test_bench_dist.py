@@ -1,0 +1,64 @@
+"""The ``dist`` section of ``python -m bench`` end to end at a tiny shape on 2 gloo processes,
+and its plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import dist
+from bench.report import Section
+
+
+def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, FUNCTIONAL_CE_COMPILE="0")  # eager chunk maths: no compile in 12 processes
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--only", "dist", "--dist-shape", "64,500", "--dist-hidden-shape",
+         "32,16,500", "--dist-worlds", "2", "--dist-repeats", "1", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reproduce: python -m bench --only dist --dist-shape 64,500" in proc.stdout
+    logits_table, hidden_table = json.loads(out.read_text())["sections"]["dist"]["tables"]
+    for table, variants, baseline in ((logits_table, dist.LOGITS_VARIANTS, dist.LOGITS_BASELINE),
+                                      (hidden_table, dist.HIDDEN_VARIANTS, dist.HIDDEN_BASELINE)):
+        rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
+        assert set(rows) == set(variants)
+        assert rows[baseline]["x baseline"] == 1
+        for name, row in rows.items():
+            assert row["status"] == "ok", (name, row)
+            assert row["ranks"] == 2 and row["time (ms)"] > 0 and row["peak extra/rank (MiB)"] >= 0
+    logits = {row[1]: dict(zip(logits_table["columns"], row)) for row in logits_table["rows"]}
+    # Ours: two all-reduces of fp32 statistics (12 bytes per token), nothing in backward.
+    for name in ("functional_ce", "functional_ce inplace"):
+        assert logits[name]["fwd bytes/token/rank"] == 12 and logits[name]["bwd MiB/rank"] == 0
+    # Gathering the bf16 logits hands over this rank's 250 classes x 2 bytes per token.
+    assert logits["full_tensor + functional_ce"]["fwd bytes/token/rank"] == 500
+    hidden = {row[1]: dict(zip(hidden_table["columns"], row)) for row in hidden_table["rows"]}
+    # One fp32 [N, H] hidden-gradient reduction in backward.
+    assert hidden["functional_ce.linear_cross_entropy"]["bwd MiB/rank"] == 32 * 16 * 4 / 2**20
+
+
+def test_plot_draws_memory_bytes_and_time_against_tokens(tmp_path):
+    def sweep(variants, backward_bytes):
+        return {"world": 2, "by_n": {
+            n: {v: {"seconds": 0.01 * n, "peak_extra_bytes": 2**20 * n, "forward_bytes": 12 * n,
+                    "backward_bytes": backward_bytes * n} for v in variants}
+            for n in (64, 128)
+        }}
+
+    data = {"logits": {"shape": [64, 500], "dtype": "bf16", "sweep": sweep(dist.LOGITS_VARIANTS, 0)},
+            "hidden": {"shape": [64, 16, 500], "dtype": "fp32", "sweep": sweep(dist.HIDDEN_VARIANTS, 64)}}
+    paths = dist.plot(Section("dist", [], data=data), tmp_path)
+    # Backward bytes from logits are 0 for every variant: no plot on log axes for them.
+    assert [p.name for p in paths] == [
+        "dist_logits_memory.png", "dist_logits_forward_bytes.png", "dist_logits_time.png",
+        "dist_hidden_memory.png", "dist_hidden_forward_bytes.png", "dist_hidden_backward_bytes.png",
+        "dist_hidden_time.png",
+    ]
+    for p in paths:
+        assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
