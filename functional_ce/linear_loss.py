@@ -127,6 +127,15 @@ def linear_cross_entropy(
     statistics are combined across processes before any gradient exists), and DTensor reduces
     the hidden gradient once. See :mod:`functional_ce.vocab_parallel`.
 
+    FSDP2: ``weight`` (and ``bias``) may be DTensors sharded on dim 0 (``Replicate()`` on an HSDP
+    replicate dim) while ``hidden`` is a plain tensor. The full weight is gathered for the step
+    (one all-gather, one full ``[V, H]`` weight held until backward, as FSDP's own unshard
+    does), the loss is this process's own (a plain tensor), and ``weight.grad`` is the **sum** over
+    processes of each process's gradient, sharded like the weight (a reduce-scatter): not divided
+    by the number of processes, unlike FSDP2's own gradient reduction. The layout cannot tell a
+    tensor-parallel weight from an FSDP2 one: with a vocabulary-sharded weight, pass ``hidden`` as
+    a DTensor (above), or the gradient is the sum of identical per-process gradients.
+
     Under ``torch.autocast``, hidden, weight and bias are first cast to the autocast dtype, as
     ``F.linear`` would cast them; their gradients come back in their own dtype.
 
@@ -139,7 +148,7 @@ def linear_cross_entropy(
     check_compile_chunks(compile_chunks)
     if not isinstance(recompute_logits_in_backward, bool):
         raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
-    if is_dtensor(weight) or is_dtensor(hidden):
+    if is_dtensor(hidden):
         from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
         return vocab_parallel_linear_cross_entropy(
@@ -148,6 +157,11 @@ def linear_cross_entropy(
             softcap=softcap, chunk_size=chunk_size, compile_chunks=compile_chunks,
             auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
         )
+    if is_dtensor(weight) or is_dtensor(bias):  # FSDP2: sharded parameters, plain activations
+        from .sharded_weight import gathered_parameter
+
+        weight = gathered_parameter(weight, "weight") if is_dtensor(weight) else weight
+        bias = gathered_parameter(bias, "bias") if is_dtensor(bias) else bias
     n_classes, width = weight.shape
     plan = plan_loss(
         labels, batch_shape=hidden.shape[:-1], n_classes=n_classes, device=hidden.device, what="hidden",

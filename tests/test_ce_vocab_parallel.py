@@ -268,6 +268,39 @@ def test_no_tokens_by_vocabulary_buffer_beyond_a_chunk(pool, form):
         assert [shape for _, shape, _ in larger] == [allowed], larger
 
 
+@pytest.mark.parametrize(
+    "mesh_shape,fsdp_dims", [((2,), (0,)), ((4,), (0,)), ((2, 2), (1,))], ids=["2", "4", "2x2-hsdp"]
+)
+def test_fsdp2_sharded_head_with_plain_hidden_states(pool, mesh_shape, fsdp_dims):
+    """FSDP2's layout (sharded parameters, plain per-process activations): each process's loss is
+    its own; the weight's gradient is the sum over processes, sharded like the weight."""
+    cases = [
+        (fsdp_dims, seed, (3, 5), 16, 37, dtype, kwargs, seed % 2 == 0)
+        for seed, kwargs in enumerate([{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"},
+                                       {"reduction": "none", "softcap": 4.0, "ignore_index": 2}])
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    per_rank = [r for r in pool.run(tasks.many, mesh_shape, tasks.fsdp_case, cases) if r is not None]
+    for i, (_, _, _, _, _, dtype, kwargs, bias) in enumerate(cases):
+        results = [r[i] for r in per_rank]
+        summed = [sum(r["reference"][1][k] for r in results) for k in range(1, 2 + bias)]
+        for r in results:
+            ref_loss, ref_grads = r["reference"]
+            assert r["is_plain"]
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            assert torch.allclose(r["loss"].double(), ref_loss, rtol=tol, atol=tol), kwargs
+            g_tol = 1e-5 if dtype == torch.float32 else 3e-2 * len(results)
+            assert torch.allclose(r["grads"][0].double(), ref_grads[0], rtol=g_tol, atol=g_tol), kwargs
+            for got, want in zip(r["grads"][1:], summed):
+                assert got.dtype == dtype
+                assert torch.allclose(got.double(), want, rtol=g_tol, atol=g_tol * (1 + want.abs().max())), kwargs
+            for placements in r["grad_placements"]:
+                assert [repr(p) for p in placements] == [
+                    "Shard(dim=0)" if d in fsdp_dims else "Replicate()" for d in range(len(mesh_shape))
+                ]
+            assert "reduce_scatter_tensor" in r["backward_by_op"], r["backward_by_op"]
+
+
 @pytest.mark.parametrize("case", tasks.LAYOUT_ERRORS, ids=[c for c in tasks.LAYOUT_ERRORS])
 def test_unsupported_layouts_raise_naming_the_placements(pool, case):
     messages = pool.run(tasks.raises, (2, 2), case)

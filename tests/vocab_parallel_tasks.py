@@ -229,6 +229,38 @@ def traced_allocations(mesh, form, n, h, v, chunk_size):
     return {"records": trace.records, "local_v": local_v}
 
 
+def fsdp_case(mesh, fsdp_dims, seed, batch_shape, h, v, dtype, kwargs, bias, chunk_size="auto"):
+    """FSDP2's layout: the LM head ``Shard(0)`` on the mesh dims in ``fsdp_dims`` (``Replicate()``
+    on the others, as HSDP), hidden states and labels plain and different on every process.
+
+    Returns this process's loss and gradients, the weight's gradient gathered, and the fp64
+    single-process reference on this process's own data (its weight gradient is this process's
+    share of the sum)."""
+    import torch.distributed as dist
+
+    if mesh is None:
+        return None
+    shared = make_linear_case(seed, batch_shape, h, v, dtype, bias=bias)
+    own = make_linear_case(seed + 1 + dist.get_rank(), batch_shape, h, v, dtype, **dict(kwargs))
+    layout = [Shard(0) if i in fsdp_dims else Replicate() for i in range(mesh.ndim)]
+    weight = distribute_tensor(shared.weight, mesh, layout).requires_grad_()
+    b = distribute_tensor(shared.bias, mesh, layout).requires_grad_() if bias else None
+    hidden = own.hidden.detach().clone().requires_grad_()
+    out = functional_ce.linear_cross_entropy(hidden, weight, own.labels, bias=b, **own.kwargs, chunk_size=chunk_size)
+    up = _upstream(out.shape, 1 + dist.get_rank()).to(out.dtype)
+    with CommBytes() as bwd:
+        (out * up).sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in (own.hidden, shared.weight, shared.bias) if t is not None]
+    ref = reference_linear(leaves[0], leaves[1], own.labels, bias=leaves[2] if bias else None, **own.kwargs)
+    (ref * up.double()).sum().backward()
+    grads = [hidden.grad, weight.grad.full_tensor()] + ([b.grad.full_tensor()] if bias else [])
+    return {
+        "loss": out.detach(), "is_plain": not isinstance(out, DTensor), "grads": grads,
+        "grad_placements": [tuple(weight.grad.placements)] + ([tuple(b.grad.placements)] if bias else []),
+        "reference": (ref.detach(), [t.grad for t in leaves]), "backward_by_op": dict(bwd.by_op),
+    }
+
+
 def _dt(mesh, t, *placements):
     return distribute_tensor(t, mesh, list(placements))
 
@@ -248,8 +280,10 @@ def _layout_error(mesh, name):
         ce(_dt(mesh, x, Shard(1), Replicate()), _dt(mesh, y, Shard(0), Replicate()))
     elif name == "plain weight, DTensor hidden":
         lce(_dt(mesh, hidden, Replicate(), Replicate()), weight, y)
-    elif name == "DTensor weight, plain hidden":
-        lce(hidden, _dt(mesh, weight, Shard(0), Replicate()), y)
+    elif name == "FSDP2 weight sharded on its features":
+        lce(hidden, _dt(mesh, weight, Shard(1), Replicate()), y)
+    elif name == "FSDP2 weight with a Partial placement":
+        lce(hidden, DTensor.from_local(weight, mesh, [Partial(), Replicate()], run_check=False), y)
     elif name == "row-parallel weight":
         lce(_dt(mesh, hidden, Replicate(), Replicate()), _dt(mesh, weight, Shard(1), Replicate()), y)
     elif name == "hidden sharded over its features":
@@ -270,7 +304,8 @@ LAYOUT_ERRORS = {
     "token-sharded logits": "Shard(dim=0) on mesh dim 0 is not supported",
     "labels sharded over tokens": "labels is a DTensor with placements (Shard(dim=0), Replicate())",
     "plain weight, DTensor hidden": "hidden is a DTensor but weight is a plain tensor",
-    "DTensor weight, plain hidden": "weight is a DTensor but hidden is a plain tensor",
+    "FSDP2 weight sharded on its features": "Shard(dim=1) on mesh dim 0 is not supported. Supported: each mesh dim",
+    "FSDP2 weight with a Partial placement": "Partial(sum) on mesh dim 0 is not supported. Supported: each mesh dim",
     "row-parallel weight": "Shard(dim=1) on mesh dim 0 is not supported",
     "hidden sharded over its features": "Shard(dim=1) on mesh dim 0 is not supported",
     "hidden token-sharded off the vocabulary dim": "Shard(dim=0) on mesh dim 1 is not supported",
