@@ -12,6 +12,15 @@ autograd adds its gradient to the embedding's. A biased ``nn.Linear`` head is ha
 goes to the loss). Heads that transform logits in other ways (Cohere's ``logit_scale``,
 Granite's ``logits_scaling``), heads that are not an ``nn.Linear``, encoder-decoder models and
 MoE models asked to add a router auxiliary loss are refused with the reason.
+
+FSDP2: on a model sharded with ``fully_shard`` (each decoder layer and the root, the usual
+recipe), the loss runs *inside* the root's forward call (the model's ``forward`` is replaced
+for that one call), so FSDP2's own hooks gather the root's parameters (embeddings, final norm,
+``lm_head``) once before it, reshard them after it, and register the backward that reduces every
+gradient, the LM head's included, as FSDP2 always does (the mean over processes). One full
+``lm_head`` weight exists during the step, exactly as FSDP2's own unshard makes it for
+``model(**batch)``. The loss is this process's own (a plain tensor). An ``lm_head`` sharded with
+its own ``fully_shard`` is handled the same way, inside the head's call.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
                 "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
             )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if head is None or _module_class(head) is not nn.Linear:
         _refuse(
             model,
             f"its output embedding is {type(head).__name__}, not a plain torch.nn.Linear "
@@ -79,6 +88,43 @@ def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
             model_type,
         )
     return head, decoder
+
+
+def _is_fsdp_module(module: nn.Module) -> bool:
+    """``module`` was sharded with FSDP2's ``fully_shard`` (its hooks gather its parameters)."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _module_class(module: nn.Module) -> type:
+    """``module``'s own class: for a module sharded with ``fully_shard`` (whose class FSDP2
+    replaces by a subclass), the class it had before."""
+    if not _is_fsdp_module(module):
+        return type(module)
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+
+
+def _inside_call(module: nn.Module, fn: Any) -> Any:
+    """``fn()`` run as ``module``'s forward for one call, so the hooks registered on ``module``
+    (FSDP2's parameter gathering before, resharding and backward registration after) run
+    around it."""
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: fn()
+    try:
+        return module()
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
 
 
 def causal_lm_loss(
@@ -125,24 +171,38 @@ def causal_lm_loss(
     # A loss never needs a KV cache; building one also switches off Transformers' detection of
     # packed rows from position_ids (5.x), which lets packed documents attend to each other.
     inputs.setdefault("use_cache", False)
+    step = lambda: _loss_from_decoder(model, head, decoder, inputs, labels, shift_labels, num_items,  # noqa: E731
+                                      ignore_index, chunk_size, compile_chunks)
+    return _inside_call(model, step) if _is_fsdp_module(model) else step()
+
+
+def _loss_from_decoder(
+    model: nn.Module, head: nn.Linear, decoder: nn.Module, inputs: dict[str, Any], labels: Any, shift_labels: Any,
+    num_items: Any, ignore_index: int, chunk_size: ChunkSize, compile_chunks: Optional[bool],
+) -> torch.Tensor:
+    """The decoder's last hidden state, then the hidden-state loss on the output embedding."""
+    config = model.config
     out = decoder(**inputs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     if shift_labels is None:
         shift_labels = F.pad(labels.to(hidden.device), (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    weight = head.weight
-    if hidden.dtype != weight.dtype:  # e.g. an fp32 final norm under autocast
-        hidden = hidden.to(weight.dtype)
     softcap = getattr(config, "final_logit_softcapping", None)
-    kwargs: dict[str, Any] = dict(
-        bias=head.bias, ignore_index=ignore_index, softcap=softcap, chunk_size=chunk_size,
-        compile_chunks=compile_chunks,
-    )
-    if num_items is None:
-        return functional_ce.linear_cross_entropy(hidden, weight, shift_labels, reduction="mean", **kwargs)
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
-    return functional_ce.linear_cross_entropy(
-        hidden, weight, shift_labels, reduction="sum", num_label_tokens=num_items, **kwargs
-    )
+
+    def head_loss() -> torch.Tensor:
+        weight = head.weight  # the gathered parameter inside an FSDP2 head's call
+        h = hidden.to(weight.dtype) if hidden.dtype != weight.dtype else hidden  # e.g. fp32 norm under autocast
+        kwargs: dict[str, Any] = dict(
+            bias=head.bias, ignore_index=ignore_index, softcap=softcap, chunk_size=chunk_size,
+            compile_chunks=compile_chunks,
+        )
+        if num_items is None:
+            return functional_ce.linear_cross_entropy(h, weight, shift_labels, reduction="mean", **kwargs)
+        return functional_ce.linear_cross_entropy(
+            h, weight, shift_labels, reduction="sum", num_label_tokens=num_items, **kwargs
+        )
+
+    return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
