@@ -23,6 +23,8 @@ _LAZY.update(
     enable_chunked_loss="loss_records",
     chunked_loss_status="loss_records",
     causal_lm_loss="hidden_state_loss",
+    enable_hidden_state_loss="hidden_state_loss",
+    HiddenStateLossHandle="hidden_state_loss",
 )
 
 __all__: list[str] = sorted(_LAZY)

@@ -25,7 +25,9 @@ its own ``fully_shard`` is handled the same way, inside the head's call.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
 from typing import Any, Optional
 
 import torch
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import functional_ce
 from functional_ce.options import ChunkSize
 
-__all__ = ["causal_lm_loss"]
+__all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,11 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     except ImportError:  # torch without FSDP2
         return False
     return isinstance(module, FSDPModule)
+
+
+#: Set while the forward patched by :func:`enable_hidden_state_loss` runs: the model's own call
+#: (and its FSDP2 hooks) is already under way, so :func:`causal_lm_loss` must not call it again.
+_IN_MODEL_CALL = threading.local()
 
 
 def _module_class(module: nn.Module) -> type:
@@ -173,7 +180,8 @@ def causal_lm_loss(
     inputs.setdefault("use_cache", False)
     step = lambda: _loss_from_decoder(model, head, decoder, inputs, labels, shift_labels, num_items,  # noqa: E731
                                       ignore_index, chunk_size, compile_chunks)
-    return _inside_call(model, step) if _is_fsdp_module(model) else step()
+    in_model_call = getattr(_IN_MODEL_CALL, "active", False)  # called from the patched forward
+    return _inside_call(model, step) if _is_fsdp_module(model) and not in_model_call else step()
 
 
 def _loss_from_decoder(
@@ -206,3 +214,106 @@ def _loss_from_decoder(
         )
 
     return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
+
+
+class HiddenStateLossHandle:
+    """Undo handle of :func:`enable_hidden_state_loss`; also a context manager. Removing twice
+    is a no-op."""
+
+    def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any) -> None:
+        self._model, self._had_own, self._own, self._replacement = model, had_own_forward, own_forward, replacement
+        self._removed = False
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        if self._model.__dict__.get("forward") is not self._replacement:
+            logger.warning("enable_hidden_state_loss: %s.forward was replaced again by someone else; "
+                           "restoring the original anyway", type(self._model).__name__)
+        if self._had_own:
+            self._model.forward = self._own
+        else:
+            self._model.__dict__.pop("forward", None)
+
+    def __enter__(self) -> "HiddenStateLossHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def enable_hidden_state_loss(
+    model: nn.Module, *, chunk_size: ChunkSize = "auto", compile_chunks: Optional[bool] = None
+) -> HiddenStateLossHandle:
+    """Make ``model(**batch, labels=...)`` compute its loss with :func:`causal_lm_loss` while training.
+
+    While the model is in training mode with gradients enabled and the call carries ``labels`` or
+    ``shift_labels``, the forward returns ``CausalLMOutputWithPast(loss=..., logits=None)``: no
+    logits are built (``num_items_in_batch``, as Hugging Face ``Trainer`` passes it for gradient
+    accumulation, divides the summed loss as in Transformers). Every other call (evaluation,
+    ``torch.no_grad()``, generation, no labels) runs the model's own forward unchanged.
+
+    Args:
+        model: a ``*ForCausalLM`` that :func:`causal_lm_loss` supports (checked now).
+        chunk_size, compile_chunks: passed to :func:`functional_ce.linear_cross_entropy`.
+
+    Returns:
+        The undo handle (``remove()``, or use it as a context manager).
+
+    Raises:
+        ValueError: a model :func:`causal_lm_loss` cannot run (named with the reason), one whose
+        config asks for router auxiliary losses, or one already patched.
+    """
+    _head_and_decoder(model)
+    if getattr(model.config, "output_router_logits", False):
+        _refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
+                "loss, which this function does not add", "Set config.output_router_logits=False")
+    if getattr(model.__dict__.get("forward"), "_hidden_state_loss", False):
+        raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
+                         "handle first")
+    had_own = "forward" in model.__dict__
+    own = model.__dict__.get("forward")
+    original = model.forward
+    signature = inspect.signature(original)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            kwargs = _as_keywords(signature, args, kwargs)
+        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if not (has_labels and model.training and torch.is_grad_enabled()):
+            return original(**kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        _IN_MODEL_CALL.active = True
+        try:
+            loss = causal_lm_loss(model, chunk_size=chunk_size, compile_chunks=compile_chunks, **kwargs)
+        finally:
+            _IN_MODEL_CALL.active = False
+        if return_dict is False:
+            return (loss,)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    # The model's own signature: Trainer reads it to keep the batch's columns and to decide
+    # whether to pass num_items_in_batch.
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    forward._hidden_state_loss = True  # type: ignore[attr-defined]
+    model.forward = forward
+    return HiddenStateLossHandle(model, had_own, own, forward)
+
+
+def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional inputs named as the model's forward names them."""
+    bound = signature.bind_partial(*args, **kwargs)
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out

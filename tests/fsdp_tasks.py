@@ -39,8 +39,9 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
     """One step of a ``fully_shard`` model on this rank's batch: ``causal_lm_loss`` when
-    ``use_library``, else ``model(**batch).loss``."""
-    from model_patches import causal_lm_loss
+    ``use_library`` is True, ``model(**batch).loss`` with ``enable_hidden_state_loss`` when it is
+    ``"patched"``, else ``model(**batch).loss``."""
+    from model_patches import causal_lm_loss, enable_hidden_state_loss
     from torch.distributed.tensor import DTensor
 
     if mesh is None:
@@ -48,10 +49,13 @@ def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
     model = tiny_model(model_type, tie_word_embeddings=tied)
     reference = copy.deepcopy(model)
     _shard(model, mesh, shard_head)
+    if use_library == "patched":
+        enable_hidden_state_loss(model)
     world, rank = dist.get_world_size(), dist.get_rank()
     batch = padded_batch(seed=100 + rank)
     with CommBytes() as fwd:
-        loss = causal_lm_loss(model, **batch) if use_library else model(**batch).loss
+        out = None if use_library is True else model(**batch)
+        loss = causal_lm_loss(model, **batch) if use_library is True else out.loss
     head_weight_sharded_after_forward = isinstance(model.lm_head.weight, DTensor)
     with CommBytes() as bwd:
         loss.backward()
@@ -63,6 +67,7 @@ def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
         ref_losses.append(ref_loss.detach())
         ref_grads.append({n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None})
     return {
+        "logits_built": out is not None and out.logits is not None,
         "loss": loss.detach(), "is_plain": not isinstance(loss, DTensor), "grads": _full_grads(model),
         "ref_losses": ref_losses, "ref_grads": ref_grads,
         "head_sharded_after_forward": head_weight_sharded_after_forward,

@@ -55,6 +55,14 @@ def test_fsdp2_gathers_as_the_model_own_forward_does(pool):
         assert a["head_sharded_after_step"] and b["head_sharded_after_step"]
 
 
+def test_fsdp2_model_with_the_patched_forward(pool):
+    """``enable_hidden_state_loss`` on the sharded model: ``model(**batch, labels=...)`` runs the
+    hidden-state loss inside FSDP2's own root call."""
+    results = pool.run(fsdp_tasks.causal_lm_loss_step, (2,), "llama", True, False, "patched")
+    assert not any(r["logits_built"] for r in results)
+    _check_against_reference(results)
+
+
 def test_fsdp2_head_sharded_on_its_own(pool):
     """``fully_shard(model.lm_head)`` too: the loss runs inside the head's call as well."""
     results = pool.run(fsdp_tasks.causal_lm_loss_step, (2,), "llama", False, True, True)
