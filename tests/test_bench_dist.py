@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import dist
 from bench.report import Section
 
 
+# 12 spawned processes, about 45 s on 2 cores: nightly (the losses are tested in test_ce_vocab_parallel).
+@pytest.mark.slow
 def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, FUNCTIONAL_CE_COMPILE="0")  # eager chunk maths: no compile in 12 processes
