@@ -13,6 +13,10 @@ Logits form, ``[N, V]`` logits sharded over the vocabulary (``Shard(-1)``):
 Hidden-state form, ``hidden [N, H]`` on every rank and a column-parallel LM head ``[V, H]``:
   - ``ColwiseParallel lm_head + loss_parallel``: the baseline;
   - ``functional_ce.linear_cross_entropy`` on the DTensor weight.
+FSDP2, a 2-layer Llama with ``fully_shard`` on each decoder layer and the root, each rank on its
+own batch:
+  - ``model(**batch).loss``: the model's own loss, the baseline;
+  - ``model_patches.causal_lm_loss``: the hidden-state loss inside the root's FSDP2 call.
 """
 
 from __future__ import annotations
@@ -164,6 +168,43 @@ def setup_ours_hidden(*, mesh: Any, n: int, h: int, v: int, dtype: str, **_: Any
     return (lambda: functional_ce.linear_cross_entropy(hidden, head.weight, labels)), backward
 
 
+def _fsdp_llama(mesh: Any, hidden: int, vocab: int, dtype: str) -> Any:
+    """A 2-layer Llama with random weights, ``fully_shard`` on each decoder layer and the root."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).to(_device(mesh)).train()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def setup_fsdp_model_loss(*, mesh: Any, n: int, h: int, v: int, dtype: str, library: bool = False,
+                          **_: Any) -> tuple[Callable, Callable]:
+    """One training step of an FSDP2 Llama on this rank's ``[n / 512, 512]`` batch: the model's own
+    loss, or ``model_patches.causal_lm_loss`` with ``library``."""
+    from model_patches import causal_lm_loss
+
+    model = _fsdp_llama(mesh, h, v, dtype)
+    g = torch.Generator().manual_seed(100 + mesh.get_local_rank(0))
+    ids = torch.randint(0, v, (max(1, n // 512), min(n, 512)), generator=g).to(_device(mesh))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def forward() -> Any:
+        return causal_lm_loss(model, **batch) if library else model(**batch).loss
+
+    def backward(loss: Any) -> None:
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return forward, backward
+
+
 LOGITS_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     LOGITS_BASELINE: ("bench.dist:setup_loss_parallel", {}),
     "full_tensor + functional_ce": ("bench.dist:setup_gather", {}),
@@ -173,6 +214,11 @@ LOGITS_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 HIDDEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     HIDDEN_BASELINE: ("bench.dist:setup_colwise_loss_parallel", {}),
     "functional_ce.linear_cross_entropy": ("bench.dist:setup_ours_hidden", {}),
+}
+FSDP_BASELINE = "model(**batch).loss"
+FSDP_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    FSDP_BASELINE: ("bench.dist:setup_fsdp_model_loss", {}),
+    "model_patches.causal_lm_loss": ("bench.dist:setup_fsdp_model_loss", {"library": True}),
 }
 
 
@@ -235,6 +281,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dist-hidden-dtype", default="fp32", choices=sorted(DTYPES),
                        help="hidden-state form dtype (fp32 by default: bf16 matmuls are slow on CPUs "
                             "without bf16 units)")
+    group.add_argument("--dist-fsdp-shape", default="2048,256,32000",
+                       help="tokens per rank, hidden size, vocabulary of the FSDP2 Llama (default 2048,256,32000)")
     group.add_argument("--dist-worlds", default="2,4", help="process counts (default 2,4)")
     group.add_argument("--dist-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--dist-sweep", default="512,1024,2048,4096",
@@ -244,7 +292,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 def _command(args: argparse.Namespace) -> str:
     return "python -m bench --only dist " + " ".join(shlex.quote(a) for a in [
         "--dist-shape", args.dist_shape, "--dist-dtype", args.dist_dtype, "--dist-hidden-shape",
-        args.dist_hidden_shape, "--dist-hidden-dtype", args.dist_hidden_dtype, "--dist-worlds", args.dist_worlds,
+        args.dist_hidden_shape, "--dist-hidden-dtype", args.dist_hidden_dtype, "--dist-fsdp-shape",
+        args.dist_fsdp_shape, "--dist-worlds", args.dist_worlds,
         "--device", args.device,
     ])
 
@@ -283,6 +332,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     hidden_shape = {"n": hn, "h": hh, "v": hv, "dtype": args.dist_hidden_dtype}
     logits = {w: _measure_all(LOGITS_VARIANTS, logits_shape, w, args, tick) for w in worlds}
     hidden = {w: _measure_all(HIDDEN_VARIANTS, hidden_shape, w, args, tick) for w in worlds}
+    fn, fh, fv = (int(x) for x in args.dist_fsdp_shape.split(","))
+    fsdp_shape = {"n": fn, "h": fh, "v": fv, "dtype": "fp32"}
+    fsdp = {w: _measure_all(FSDP_VARIANTS, fsdp_shape, w, args, tick) for w in worlds}
     mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of each rank's process"
     notes = [
         f"per rank: the largest over ranks; peak extra memory = {mem_how} above the inputs during the step "
@@ -299,12 +351,20 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
               columns=COLUMNS, rows=_rows(hidden, HIDDEN_BASELINE, hn),
               baseline=f"{HIDDEN_BASELINE}: F.cross_entropy(lm_head(hidden).float()) under loss_parallel()",
               notes=notes, command=_command(args)),
+        Table(title=f"FSDP2 training step, 2-layer Llama (hidden {fh}, V={fv}) fp32, {fn} tokens per rank, "
+                    f"fully_shard on each layer and the root, {args.device}",
+              columns=COLUMNS, rows=_rows(fsdp, FSDP_BASELINE, fn),
+              baseline=f"{FSDP_BASELINE}: the model's own loss (fp32 logits and their log-softmax)",
+              notes=notes[:1] + [f"one fp32 logits copy here: {fn} x {fv} x 4 bytes = {fn * fv * 4 / 2**20:.0f} MiB"],
+              command=_command(args)),
     ]
     data: dict[str, Any] = {
         "logits": {"shape": [n, v], "dtype": args.dist_dtype,
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in logits.items()}},
         "hidden": {"shape": [hn, hh, hv], "dtype": args.dist_hidden_dtype,
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in hidden.items()}},
+        "fsdp": {"shape": [fn, fh, fv], "dtype": "fp32",
+                 "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in fsdp.items()}},
         "device": args.device,
     }
     if args.plot:
