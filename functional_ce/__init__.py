@@ -11,6 +11,7 @@ from .chunk import chunk_backward, chunk_forward
 from .linear_loss import linear_cross_entropy
 from .loss import cross_entropy
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
+from .pipeline import hidden_state_loss_fn
 from .options import ChunkOptions
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "chunk_backward",
     "chunk_forward",
     "cross_entropy",
+    "hidden_state_loss_fn",
     "linear_cross_entropy",
 ]

@@ -108,3 +108,52 @@ def pipeline_step(mesh, name, inplace, return_outputs):
             for group in groups for i in group}
     return {"grads": held, "losses": [loss.detach() for loss in losses] if is_last else None,
             "output": output.detach().clone() if isinstance(output, torch.Tensor) else None}
+
+
+class LastStage(nn.Module):
+    """The last stage when the loss owns the LM head: emits hidden states, holds the head."""
+
+    def __init__(self, hidden_block: Block, head: nn.Linear) -> None:
+        super().__init__()
+        self.block, self.head = hidden_block, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def microbatch_mean_reference() -> dict[str, Any]:
+    """The unpipelined model with the loss each microbatch's mean, averaged over microbatches
+    (what ``scale_grads=True`` with ``reduction="mean"`` computes)."""
+    model = nn.Sequential(*blocks())
+    ids, labels = batch()
+    total = 0.0
+    for mb_ids, mb_labels in zip(ids.chunk(MICROBATCHES), labels.chunk(MICROBATCHES)):
+        total = total + functional_ce.cross_entropy(model(mb_ids), mb_labels) / MICROBATCHES
+    total.backward()
+    return {"loss": total.detach(), "grads": {i: [p.grad for p in b.parameters()] for i, b in enumerate(model)}}
+
+
+def hidden_state_loss_step(mesh, scale_grads):
+    """GPipe with the last stage emitting hidden states and ``hidden_state_loss_fn`` applying the
+    head: ``reduction="mean"`` per microbatch with ``scale_grads=True``, or the sum over the
+    global label count with ``scale_grads=False``."""
+    from torch.distributed import pipelining as pp
+
+    if mesh is None:
+        return None
+    rank = dist.get_rank()
+    all_blocks = blocks()
+    module = nn.Sequential(all_blocks[0], all_blocks[1]) if rank == 0 else LastStage(all_blocks[2],
+                                                                                      all_blocks[3].layer)
+    stage = pp.PipelineStage(module, rank, 2, torch.device("cpu"), group=mesh.get_group())
+    ids, labels = batch()
+    count = int((labels != -100).sum())
+    options = {"reduction": "mean"} if scale_grads else {"reduction": "sum", "num_label_tokens": count}
+    loss_fn = functional_ce.hidden_state_loss_fn(all_blocks[3].layer, **options)
+    schedule = pp.ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn, scale_grads=scale_grads)
+    losses: list[torch.Tensor] = []
+    schedule.step(*((ids,) if rank == 0 else ()), target=labels if rank == 1 else None, losses=losses,
+                  return_outputs=False)
+    held = [0, 1] if rank == 0 else [2, 3]
+    return {"grads": {i: [p.grad.detach().clone() for p in all_blocks[i].parameters()] for i in held},
+            "losses": [loss.detach() for loss in losses] if rank == 1 else None}

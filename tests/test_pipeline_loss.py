@@ -55,3 +55,18 @@ def test_returned_outputs_are_overwritten_by_the_inplace_gradient(pool):
     (loss / int((labels != -100).sum())).backward()
     torch.testing.assert_close(kept, logits.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(overwritten, logits.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale_grads", [True, False], ids=["mean-scale_grads", "sum-over-global-count"])
+def test_last_stage_emitting_hidden_states_with_the_loss_owning_the_head(pool, reference, scale_grads):
+    """hidden_state_loss_fn on a last stage that holds the LM head: the schedule scales the head's
+    gradient with the stage's other parameters."""
+    results = pool.run(tasks.hidden_state_loss_step, (2,), scale_grads)
+    expected = tasks.microbatch_mean_reference() if scale_grads else reference
+    losses = results[1]["losses"]
+    total = sum(losses) / len(losses) if scale_grads else sum(losses)
+    torch.testing.assert_close(total, expected["loss"], rtol=1e-6, atol=1e-6)
+    for r in results:
+        for block, grads in r["grads"].items():
+            for got, want in zip(grads, expected["grads"][block]):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
