@@ -17,6 +17,9 @@ FSDP2, a 2-layer Llama with ``fully_shard`` on each decoder layer and the root, 
 own batch:
   - ``model(**batch).loss``: the model's own loss, the baseline;
   - ``model_patches.causal_lm_loss``: the hidden-state loss inside the root's FSDP2 call.
+Pipeline, 2 stages (GPipe, 4 microbatches), the last stage's ``loss_fn``:
+  - ``F.cross_entropy(logits.float())``: the baseline;
+  - ``functional_ce`` with ``inplace_grad=True`` (and ``return_outputs=False``).
 """
 
 from __future__ import annotations
@@ -205,6 +208,46 @@ def setup_fsdp_model_loss(*, mesh: Any, n: int, h: int, v: int, dtype: str, libr
     return forward, backward
 
 
+def setup_pipeline(*, mesh: Any, n: int, h: int, v: int, dtype: str, library: bool = False,
+                   **_: Any) -> tuple[Callable, Callable]:
+    """A 2-stage GPipe step (4 microbatches) of a small LM (embedding and a layer | a layer and
+    the LM head): ``F.cross_entropy(logits.float())`` as the last stage's loss, or with
+    ``library`` ``functional_ce.cross_entropy`` with ``inplace_grad=True`` (``return_outputs=False``).
+    Both sum over the microbatch and divide by the global label count (``scale_grads=False``)."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed import pipelining as pp
+
+    import functional_ce
+
+    rank, device = mesh.get_local_rank(0), _device(mesh)
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Embedding(v, h), nn.Linear(h, h), nn.Tanh())
+    last = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, v))
+    module = (first if rank == 0 else last).to(device=device, dtype=DTYPES[dtype])
+    stage = pp.PipelineStage(module, rank, 2, device, group=mesh.get_group())
+    seq = min(n, 512)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, v, (max(4, n // seq), seq), generator=g).to(device)
+    count = ids.numel()
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if library:
+            return functional_ce.cross_entropy(out, target, reduction="sum", num_label_tokens=count,
+                                               inplace_grad=True)
+        return F.cross_entropy(out.float().flatten(0, 1), target.flatten(), reduction="sum") / count
+
+    schedule = pp.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
+
+    def forward() -> None:  # the schedule runs forward and backward in one call
+        schedule.step(*((ids,) if rank == 0 else ()), target=ids if rank == 1 else None, return_outputs=False)
+
+    def backward(_: Any) -> None:
+        module.zero_grad(set_to_none=True)
+
+    return forward, backward
+
+
 LOGITS_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     LOGITS_BASELINE: ("bench.dist:setup_loss_parallel", {}),
     "full_tensor + functional_ce": ("bench.dist:setup_gather", {}),
@@ -214,6 +257,11 @@ LOGITS_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 HIDDEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     HIDDEN_BASELINE: ("bench.dist:setup_colwise_loss_parallel", {}),
     "functional_ce.linear_cross_entropy": ("bench.dist:setup_ours_hidden", {}),
+}
+PIPELINE_BASELINE = "F.cross_entropy(logits.float())"
+PIPELINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    PIPELINE_BASELINE: ("bench.dist:setup_pipeline", {}),
+    "functional_ce inplace, return_outputs=False": ("bench.dist:setup_pipeline", {"library": True}),
 }
 FSDP_BASELINE = "model(**batch).loss"
 FSDP_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -283,6 +331,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "without bf16 units)")
     group.add_argument("--dist-fsdp-shape", default="2048,256,32000",
                        help="tokens per rank, hidden size, vocabulary of the FSDP2 Llama (default 2048,256,32000)")
+    group.add_argument("--dist-pipeline-shape", default="2048,256,32000",
+                       help="tokens, hidden size, vocabulary of the 2-stage pipeline (default 2048,256,32000)")
     group.add_argument("--dist-worlds", default="2,4", help="process counts (default 2,4)")
     group.add_argument("--dist-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--dist-sweep", default="512,1024,2048,4096",
@@ -293,7 +343,8 @@ def _command(args: argparse.Namespace) -> str:
     return "python -m bench --only dist " + " ".join(shlex.quote(a) for a in [
         "--dist-shape", args.dist_shape, "--dist-dtype", args.dist_dtype, "--dist-hidden-shape",
         args.dist_hidden_shape, "--dist-hidden-dtype", args.dist_hidden_dtype, "--dist-fsdp-shape",
-        args.dist_fsdp_shape, "--dist-worlds", args.dist_worlds,
+        args.dist_fsdp_shape, "--dist-pipeline-shape", args.dist_pipeline_shape,
+        "--dist-worlds", args.dist_worlds,
         "--device", args.device,
     ])
 
@@ -335,6 +386,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     fn, fh, fv = (int(x) for x in args.dist_fsdp_shape.split(","))
     fsdp_shape = {"n": fn, "h": fh, "v": fv, "dtype": "fp32"}
     fsdp = {w: _measure_all(FSDP_VARIANTS, fsdp_shape, w, args, tick) for w in worlds}
+    pn, ph, pv = (int(x) for x in args.dist_pipeline_shape.split(","))
+    pipeline_shape = {"n": pn, "h": ph, "v": pv, "dtype": "fp32"}
+    pipeline = {2: _measure_all(PIPELINE_VARIANTS, pipeline_shape, 2, args, tick)}
     mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of each rank's process"
     notes = [
         f"per rank: the largest over ranks; peak extra memory = {mem_how} above the inputs during the step "
@@ -357,6 +411,13 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
               baseline=f"{FSDP_BASELINE}: the model's own loss (fp32 logits and their log-softmax)",
               notes=notes[:1] + [f"one fp32 logits copy here: {fn} x {fv} x 4 bytes = {fn * fv * 4 / 2**20:.0f} MiB"],
               command=_command(args)),
+        Table(title=f"2-stage pipeline (GPipe, 4 microbatches), {pn} tokens, hidden {ph}, V={pv} fp32, the last "
+                    f"stage's loss_fn, {args.device}",
+              columns=COLUMNS, rows=_rows(pipeline, PIPELINE_BASELINE, pn),
+              baseline=f"{PIPELINE_BASELINE}: summed over the microbatch, divided by the global label count",
+              notes=notes[:1] + ["one step = schedule.step (forward and backward of every microbatch); the "
+                                 "activations the stages send each other (point-to-point) are not counted"],
+              command=_command(args)),
     ]
     data: dict[str, Any] = {
         "logits": {"shape": [n, v], "dtype": args.dist_dtype,
@@ -365,6 +426,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in hidden.items()}},
         "fsdp": {"shape": [fn, fh, fv], "dtype": "fp32",
                  "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in fsdp.items()}},
+        "pipeline": {"shape": [pn, ph, pv], "dtype": "fp32",
+                     "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in pipeline.items()}},
         "device": args.device,
     }
     if args.plot:
@@ -405,6 +468,7 @@ def plot(section: Section, out_dir: Path) -> list[Path]:
         names = "NHV" if form == "hidden" else "NV"
         dims = ", ".join(f"{k}={x}" for k, x in zip(names, data["shape"]) if k != "N")
         paths += lines_vs_n(data["sweep"]["by_n"], out_dir, stem=f"dist_{form}", metrics=metrics,
-                            title=f"vocabulary-parallel {what}, {dims}, {data['sweep']['world']} ranks, {data['dtype']}")
+                            title=f"vocabulary-parallel {what}, {dims}, {data['sweep']['world']} ranks, "
+                                  f"{data['dtype']}")
     return paths
 

@@ -22,16 +22,18 @@ def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path
     env = dict(os.environ, FUNCTIONAL_CE_COMPILE="0")  # eager chunk maths: no compile in 12 processes
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "dist", "--dist-shape", "64,500", "--dist-hidden-shape",
-         "32,16,500", "--dist-fsdp-shape", "256,32,500", "--dist-worlds", "2", "--dist-repeats", "1",
+         "32,16,500", "--dist-fsdp-shape", "256,32,500", "--dist-pipeline-shape", "256,32,500", "--dist-worlds", "2",
+         "--dist-repeats", "1",
          "--no-progress", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reproduce: python -m bench --only dist --dist-shape 64,500" in proc.stdout
-    logits_table, hidden_table, fsdp_table = json.loads(out.read_text())["sections"]["dist"]["tables"]
+    logits_table, hidden_table, fsdp_table, pipeline_table = json.loads(out.read_text())["sections"]["dist"]["tables"]
     for table, variants, baseline in ((logits_table, dist.LOGITS_VARIANTS, dist.LOGITS_BASELINE),
                                       (hidden_table, dist.HIDDEN_VARIANTS, dist.HIDDEN_BASELINE),
-                                      (fsdp_table, dist.FSDP_VARIANTS, dist.FSDP_BASELINE)):
+                                      (fsdp_table, dist.FSDP_VARIANTS, dist.FSDP_BASELINE),
+                                      (pipeline_table, dist.PIPELINE_VARIANTS, dist.PIPELINE_BASELINE)):
         rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
         assert set(rows) == set(variants)
         assert rows[baseline]["x baseline"] == 1
