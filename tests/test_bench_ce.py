@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import ce_logits
 from bench.report import Section
 
 
+@pytest.mark.slow  # five child processes compiling at first use: 30-60 s; the losses are tested elsewhere
 def test_ce_section_reports_every_variant_with_its_baseline(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
