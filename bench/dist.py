@@ -89,17 +89,23 @@ def setup_loss_parallel(*, mesh: Any, n: int, v: int, dtype: str, **_: Any) -> t
     return forward, backward
 
 
+def _backward_then_clear(*leaves: torch.Tensor) -> Callable[[Any], None]:
+    """``backward(loss)``: backpropagate, then drop the leaves' gradients for the next step."""
+
+    def backward(loss: Any) -> None:
+        loss.backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return backward
+
+
 def setup_gather(*, mesh: Any, n: int, v: int, dtype: str, **_: Any) -> tuple[Callable, Callable]:
     import functional_ce
 
     logits = _sharded_logits(mesh, n, v, dtype)
     labels = _labels(mesh, n, v)
-
-    def backward(loss: Any) -> None:
-        loss.backward()
-        logits.grad = None
-
-    return (lambda: functional_ce.cross_entropy(logits.full_tensor(), labels)), backward
+    return (lambda: functional_ce.cross_entropy(logits.full_tensor(), labels)), _backward_then_clear(logits)
 
 
 def setup_ours(*, mesh: Any, n: int, v: int, dtype: str, inplace: bool = False, **_: Any) -> tuple[Callable, Callable]:
@@ -107,14 +113,9 @@ def setup_ours(*, mesh: Any, n: int, v: int, dtype: str, inplace: bool = False, 
 
     logits = _sharded_logits(mesh, n, v, dtype)
     labels = _labels(mesh, n, v)
-
-    def backward(loss: Any) -> None:
-        loss.backward()
-        logits.grad = None
-
     # With inplace_grad each step overwrites the logits with their gradient and the next step
     # reads those values: the work does not depend on them.
-    return (lambda: functional_ce.cross_entropy(logits, labels, inplace_grad=inplace)), backward
+    return (lambda: functional_ce.cross_entropy(logits, labels, inplace_grad=inplace)), _backward_then_clear(logits)
 
 
 def _column_parallel_head(mesh: Any, h: int, v: int, dtype: str) -> torch.nn.Linear:
@@ -163,12 +164,8 @@ def setup_ours_hidden(*, mesh: Any, n: int, h: int, v: int, dtype: str, **_: Any
     hidden = DTensor.from_local(_hidden(mesh, n, h, dtype).detach(), mesh, [Replicate()], run_check=False)
     hidden.requires_grad_()
     labels = _labels(mesh, n, v)
-
-    def backward(loss: Any) -> None:
-        loss.backward()
-        head.weight.grad = hidden.grad = None
-
-    return (lambda: functional_ce.linear_cross_entropy(hidden, head.weight, labels)), backward
+    forward = lambda: functional_ce.linear_cross_entropy(hidden, head.weight, labels)  # noqa: E731
+    return forward, _backward_then_clear(head.weight, hidden)
 
 
 def _fsdp_llama(mesh: Any, hidden: int, vocab: int, dtype: str) -> Any:

@@ -219,23 +219,34 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(hidden, weight, bias, labels, output[1])
 
 
-def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
+def recomputed_gradients(ctx: Any, grad_rows: Optional[torch.Tensor]) -> tuple:
+    """``(grad_hidden, grad_weight, grad_bias)`` (None where not needed) of ``sum(grad_rows *
+    loss_rows)``, recomputing each chunk's logits from what ``ctx`` saved: ``hidden``, ``weight``,
+    ``bias``, ``labels`` and the full-vocabulary ``lse`` (a vocabulary slice when ``ctx.opts`` says
+    so), plus ``ctx.opts``, ``ctx.chunk_size``, ``ctx.compile_chunks`` and ``ctx.has_bias``.
+    Double backward through them raises."""
     hidden, weight, bias, labels, lse = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = bool(need_b and ctx.has_bias)
-    no_grads = (None,) * 9
-    if grad_loss is None or not (need_h or need_w or need_b):
-        return (None, None, None) + no_grads
+    if grad_rows is None or not (need_h or need_w or need_b):
+        return (None, None, None)
     with torch.no_grad():
-        gh, gw, gb = linear_ce_backward(
-            grad_loss.float(), hidden, weight, bias, labels, lse, *ctx.opts.op_args(), ctx.chunk_size,
-            ctx.compile_chunks, need_h, need_w, need_b,
-        )
+        if weight.shape[0] == 0:  # an empty vocabulary slice: no logits, no gradient
+            gh, gw = torch.zeros_like(hidden), torch.zeros_like(weight)
+            gb = None if bias is None else torch.zeros_like(bias)
+        else:
+            gh, gw, gb = linear_ce_backward(
+                grad_rows.float(), hidden, weight, bias, labels, lse, *ctx.opts.op_args(), ctx.chunk_size,
+                ctx.compile_chunks, need_h, need_w, need_b,
+            )
     grads = (gh if need_h else None, gw if need_w else None, gb if need_b else None)
-    grads = refuse_double_backward(
+    return refuse_double_backward(
         grads, (hidden, weight, bias), "linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy"
     )
-    return grads + no_grads
+
+
+def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
+    return recomputed_gradients(ctx, grad_loss) + (None,) * 9
 
 
 linear_ce_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -108,17 +108,29 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(logits, labels, output[1])
 
 
+def logits_gradient(
+    grad_rows: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, opts: ChunkOptions,
+    chunk_size: int, compile_chunks: Optional[bool], inplace_grad: bool,
+) -> torch.Tensor:
+    """The gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits`` ``[N, V]`` (a slice of the
+    vocabulary when ``opts`` says so), given the full-vocabulary ``lse``: written into the logits
+    themselves with ``inplace_grad``, else into a new buffer; double backward through it raises."""
+    with torch.no_grad():
+        out = logits if inplace_grad else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        if logits.shape[1] > 0:  # an empty vocabulary slice has nothing to write
+            chunked_ce_backward_into(grad_rows.float(), logits, labels, lse, out, *opts.op_args(), chunk_size,
+                                     compile_chunks)
+    (grad,) = refuse_double_backward((out,), (logits,), "cross_entropy", "torch.nn.functional.cross_entropy")
+    return grad
+
+
 def _backward(ctx: Any, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]) -> tuple:
     logits, labels, lse = ctx.saved_tensors
     no_grads = (None,) * 10
     if grad_loss is None or not ctx.needs_input_grad[0]:
         return (None,) + no_grads
-    with torch.no_grad():
-        out = logits if ctx.inplace_grad else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        chunked_ce_backward_into(
-            grad_loss.float(), logits, labels, lse, out, *ctx.opts.op_args(), ctx.chunk_size, ctx.compile_chunks
-        )
-    (grad,) = refuse_double_backward((out,), (logits,), "cross_entropy", "torch.nn.functional.cross_entropy")
+    grad = logits_gradient(grad_loss, logits, labels, lse, ctx.opts, ctx.chunk_size, ctx.compile_chunks,
+                           ctx.inplace_grad)
     return (grad,) + no_grads
 
 

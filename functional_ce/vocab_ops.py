@@ -24,10 +24,9 @@ from typing import Any, Optional
 import torch
 
 from .compiled import run_chunk, stats_into
-from .double_backward import refuse_double_backward
 from .linear_chunk import linear_chunk_stats
-from .linear_ops import ValidRows, linear_ce_backward
-from .ops import chunked_ce_backward_into
+from .linear_ops import ValidRows, recomputed_gradients
+from .ops import logits_gradient
 from .options import ChunkOptions
 
 _LIB = "functional_ce"
@@ -136,13 +135,8 @@ def _backward_slice_rows(ctx: Any, grad_rows: Optional[torch.Tensor]) -> tuple:
     no_grads = (None,) * 13
     if grad_rows is None or not ctx.needs_input_grad[0]:
         return (None,) + no_grads
-    with torch.no_grad():
-        out = logits if ctx.inplace_grad else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        if logits.shape[1] > 0:
-            chunked_ce_backward_into(
-                grad_rows.float(), logits, labels, lse, out, *ctx.opts.op_args(), ctx.chunk_size, ctx.compile_chunks
-            )
-    (grad,) = refuse_double_backward((out,), (logits,), "cross_entropy", "torch.nn.functional.cross_entropy")
+    grad = logits_gradient(grad_rows, logits, labels, lse, ctx.opts, ctx.chunk_size, ctx.compile_chunks,
+                           ctx.inplace_grad)
     return (grad,) + no_grads
 
 
@@ -235,26 +229,7 @@ def _setup_linear_rows(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _backward_linear_rows(ctx: Any, grad_rows: Optional[torch.Tensor]) -> tuple:
-    hidden, weight, bias, labels, lse = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    need_b = bool(need_b and ctx.has_bias)
-    no_grads = (None,) * 12
-    if grad_rows is None or not (need_h or need_w or need_b):
-        return (None, None, None) + no_grads
-    with torch.no_grad():
-        if weight.shape[0] == 0:  # an empty vocabulary slice: no logits, no gradient
-            gh, gw = torch.zeros_like(hidden), torch.zeros_like(weight)
-            gb = None if bias is None else torch.zeros_like(bias)
-        else:
-            gh, gw, gb = linear_ce_backward(
-                grad_rows.float(), hidden, weight, bias, labels, lse, *ctx.opts.op_args(), ctx.chunk_size,
-                ctx.compile_chunks, need_h, need_w, need_b,
-            )
-    grads = (gh if need_h else None, gw if need_w else None, gb if need_b else None)
-    grads = refuse_double_backward(
-        grads, (hidden, weight, bias), "linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy"
-    )
-    return grads + no_grads
+    return recomputed_gradients(ctx, grad_rows) + (None,) * 12
 
 
 linear_slice_rows.register_autograd(_backward_linear_rows, setup_context=_setup_linear_rows)

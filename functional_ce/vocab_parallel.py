@@ -33,6 +33,13 @@ from .vocab_layout import (
 )
 
 
+def _local_token_args(mesh: object, *args: object) -> tuple:
+    """``labels``, ``mask``, ``weights``, ``num_label_tokens`` as plain local values (see
+    :func:`~functional_ce.vocab_layout.replicated_local`)."""
+    names = ("labels", "mask", "weights", "num_label_tokens")
+    return tuple(replicated_local(name, t, mesh) for name, t in zip(names, args))
+
+
 def _slice_options(plan: LossPlan, vocab: VocabSlice) -> tuple:
     opts = dataclasses.replace(plan.opts, vocab_start=vocab.start, n_classes=vocab.n_classes)
     return opts, opts.op_args()
@@ -63,10 +70,7 @@ def vocab_parallel_cross_entropy(
     """
     vocab = vocab_slice(logits, -1, "logits", LOGITS_LAYOUTS)
     mesh = vocab.mesh
-    labels, mask, weights, num_label_tokens = (
-        replicated_local(name, t, mesh) for name, t in
-        (("labels", labels), ("mask", mask), ("weights", weights), ("num_label_tokens", num_label_tokens))
-    )
+    labels, mask, weights, num_label_tokens = _local_token_args(mesh, labels, mask, weights, num_label_tokens)
     local = logits.to_local()
     plan = plan_loss(
         labels, batch_shape=logits.shape[:-1], n_classes=vocab.n_classes, device=local.device, what="logits",
@@ -154,10 +158,7 @@ def vocab_parallel_linear_cross_entropy(
     mesh = vocab.mesh
     hidden = _check_hidden_layout(hidden, weight, vocab)
     bias = _check_bias_layout(bias, weight)
-    labels, mask, weights, num_label_tokens = (
-        replicated_local(name, t, mesh) for name, t in
-        (("labels", labels), ("mask", mask), ("weights", weights), ("num_label_tokens", num_label_tokens))
-    )
+    labels, mask, weights, num_label_tokens = _local_token_args(mesh, labels, mask, weights, num_label_tokens)
     replicate = [Replicate()] * mesh.ndim
     grad_placements = list(replicate)
     if vocab.mesh_dim is not None:
