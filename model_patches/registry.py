@@ -42,6 +42,7 @@ __all__ = [
     "apply_records",
     "record_status",
     "live_records",
+    "is_applied",
     "installed_version",
     "NEWEST_TESTED",
 ]
@@ -294,6 +295,16 @@ def live_records() -> list[PatchRecord]:
     """Every record currently applied by a live handle, in the order they were applied."""
     with _LOCK:
         return [entry[0] for entry in _ACTIVE.values()]
+
+
+def is_applied(target: str) -> bool:
+    """Whether ``target`` (``"module:attr[.attr]"``) currently holds a replacement applied by a live handle.
+
+    A lock-free read (one dict lookup), so that patched code calling it at forward time traces
+    under ``torch.compile`` without a graph break.
+    """
+    entry = _ACTIVE.get(target)
+    return entry is not None and getattr(entry[1], entry[2], None) is entry[4]
 
 
 def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> list[StatusRow]:
