@@ -23,6 +23,13 @@ Handling:
 - ``"per_document_positions"``: accepted only with per-document ``position_ids`` (what
   ``PackingCollator`` returns); the mask builders check the positions they receive against
   the document layout and refuse row positions.
+
+A refused capability can be *made correct* family by family: ``made_correct`` maps a family to
+the patch targets (``"module:attr"``) whose packing records make that capability
+document-aware there (ALiBi from per-document positions, :mod:`model_patches.alibi`; mixers run
+per document, :mod:`model_patches.document_mixers`). The family is accepted while every one of
+its targets is patched by a live handle, and refused otherwise (say the release lacks a target
+or a probe failed), so a record that did not apply never leaves a silent leak.
 """
 
 from __future__ import annotations
@@ -32,7 +39,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Capability", "CAPABILITIES", "capabilities_for_config", "refusals_for_model", "detected_in"]
+from .registry import is_applied
+
+__all__ = [
+    "Capability",
+    "CAPABILITIES",
+    "capabilities_for_config",
+    "refusals_for_model",
+    "detected_in",
+    "made_correct_targets",
+]
 
 Detector = Callable[[str, torch.nn.Module], bool]
 
@@ -50,6 +66,8 @@ class Capability:
     #: families (of ``families``) whose masks and mixers never pass through masking_utils: plain
     #: ``enable_packing()`` guards their ``*ForCausalLM.forward`` instead of the mask builders.
     forward_guard: tuple[str, ...] = ()
+    #: (family, patch targets) pairs: families this capability is made correct in, and how.
+    made_correct: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.handling not in ("refused", "per_document_positions"):
@@ -62,6 +80,16 @@ class Capability:
         if getattr(config, "model_type", None) not in self.families:
             return False
         return self.when is None or bool(self.when(config))
+
+    def targets_for(self, family: Optional[str]) -> tuple[str, ...]:
+        """Patch targets that make this capability document-aware in ``family`` (empty: none)."""
+        return dict(self.made_correct).get(family or "", ())
+
+    def covers(self, config: Any, assume_patched: bool = False) -> bool:
+        """Whether ``config``'s family is made correct: every target patched now (or, with
+        ``assume_patched``, about to be: the check before ``enable_packing`` applies its records)."""
+        targets = self.targets_for(getattr(config, "model_type", None))
+        return bool(targets) and (assume_patched or all(is_applied(t) for t in targets))
 
 
 def _has_parameter(*names: str) -> Detector:
@@ -98,13 +126,30 @@ def _any(*detectors: Detector) -> Detector:
     return any_of
 
 
+def _module(short: str) -> str:
+    return f"transformers.models.{short}.modeling_{short}"
+
+
+def _alibi_family(family: str) -> tuple[str, tuple[str, ...]]:
+    """ALiBi built by ``modeling_<family>.build_alibi_tensor`` from the 2D mask."""
+    return family, (f"{_module(family)}:build_alibi_tensor",)
+
+
+def _mixer_family(family: str, *mixers: str, module: str = "") -> tuple[str, tuple[str, ...]]:
+    """Mixer classes of ``modeling_<module or family>`` that get their mask from
+    ``create_recurrent_attention_mask`` and run per document once their ``forward`` is patched."""
+    path = _module(module or family)
+    return family, (f"{path}:create_recurrent_attention_mask", *(f"{path}:{m}.forward" for m in mixers))
+
+
 #: Every capability packing knows about, as data.
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         name="alibi",
-        families=("bloom", "mpt", "falcon"),
+        families=("bloom", "falcon"),
         handling="refused",
         when=lambda c: c.model_type != "falcon" or bool(getattr(c, "alibi", False)),
+        made_correct=(_alibi_family("bloom"), _alibi_family("falcon")),
         reason=(
             "ALiBi position bias built from attention_mask.cumsum(): document ids distort the "
             "distances and later documents get the wrong bias"
@@ -122,6 +167,22 @@ CAPABILITIES: tuple[Capability, ...] = (
         handling="refused",
         detect=_any(_has_parameter("A_log", "dt_bias"), _sequence_convolution, _recurrent_class),
         forward_guard=("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
+        made_correct=(
+            _mixer_family("qwen3_next", "Qwen3NextGatedDeltaNet"),
+            _mixer_family("qwen3_5_text", "Qwen3_5GatedDeltaNet", module="qwen3_5"),
+            _mixer_family("qwen3_5_moe_text", "Qwen3_5MoeGatedDeltaNet", module="qwen3_5_moe"),
+            _mixer_family("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+            _mixer_family("lara_mini", "LaraMiniGatedDeltaNet"),
+            _mixer_family("minimax", "MiniMaxLightningAttention"),
+            _mixer_family("bamba", "BambaMixer"),
+            _mixer_family("jamba", "JambaMambaMixer"),
+            _mixer_family("falcon_h1", "FalconH1Mixer"),
+            _mixer_family("granitemoehybrid", "GraniteMoeHybridMambaLayer"),
+            _mixer_family("nemotron_h", "NemotronHMamba2Mixer"),
+            _mixer_family("zamba2", "Zamba2MambaMixer"),
+            _mixer_family("lfm2", "Lfm2ShortConv"),
+            _mixer_family("lfm3", "Lfm3ShortConv"),
+        ),
         reason=(
             "recurrent / convolutional / linear-attention mixer: its state carries from one "
             "document into the next whatever the attention mask says"
@@ -157,29 +218,65 @@ def capabilities_for_config(config: Any) -> list[Capability]:
     return [c for c in CAPABILITIES if c.applies_to(config)]
 
 
-def detected_in(model: torch.nn.Module, capability: Capability) -> Optional[str]:
-    """Name of the first submodule of ``model`` in which ``capability``'s detector fires, else None."""
+def made_correct_targets() -> list[str]:
+    """Every patch target named by some capability's ``made_correct`` (in order, no repeats)."""
+    out: list[str] = []
+    for cap in CAPABILITIES:
+        for _, targets in cap.made_correct:
+            out += [t for t in targets if t not in out]
+    return out
+
+
+def _class_target(module: torch.nn.Module) -> str:
+    return f"{type(module).__module__}:{type(module).__qualname__}.forward"
+
+
+def _runs_per_document(module: torch.nn.Module, assume_patched: bool) -> bool:
+    """``module``'s forward is (or, with ``assume_patched``, is about to be) a per-document mixer."""
+    if getattr(type(module).forward, "_packing_per_document", False) and is_applied(_class_target(module)):
+        return True
+    return assume_patched and _class_target(module) in made_correct_targets()
+
+
+def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: bool = False) -> Optional[str]:
+    """Name of the first submodule of ``model`` in which ``capability``'s detector fires, else None.
+
+    A mixer that runs per document (a patched ``forward``) covers itself and its submodules; a
+    container that fires only by name (``JambaMambaDecoderLayer``) is covered by such a mixer
+    inside it, while its other submodules are still checked.
+    """
     if capability.detect is None:
         return None
-    for fqn, module in model.named_modules():
+    modules = list(model.named_modules())
+    covered = [fqn for fqn, module in modules if _runs_per_document(module, assume_patched)]
+    for fqn, module in modules:
+        inside = any(fqn == c or fqn.startswith(c + ".") for c in covered)
+        holds = any(c.startswith(fqn + ".") or not fqn for c in covered)
+        if inside or holds:
+            continue
         if capability.detect(fqn, module):
             return fqn or type(module).__name__
     return None
 
 
-def refusals_for_model(model: torch.nn.Module) -> list[tuple[Capability, str]]:
+def refusals_for_model(model: torch.nn.Module, assume_patched: bool = False) -> list[tuple[Capability, str]]:
     """(capability, where) for every refused capability of ``model``: by its configs' families,
-    then by structure (so an unlisted family with, say, a Mamba mixer is refused too)."""
+    then by structure (so an unlisted family with, say, a Mamba mixer is refused too).
+
+    A family a capability is made correct in is refused only while its records are not live
+    (``assume_patched``: the check before the records are applied).
+    """
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     out: list[tuple[Capability, str]] = []
     for cap in CAPABILITIES:
         if cap.handling != "refused":
             continue
-        hit = next((c for c in configs.values() if cap.applies_to(c)), None)
+        present = [c for c in configs.values() if cap.applies_to(c)]
+        hit = next((c for c in present if not cap.covers(c, assume_patched)), None)
         if hit is not None:
             out.append((cap, f"model_type {hit.model_type!r}"))
             continue
-        where = detected_in(model, cap)
+        where = detected_in(model, cap, assume_patched)
         if where is not None:
             out.append((cap, f"module {where!r}"))
     return out

@@ -54,6 +54,13 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2": dict(full_attn_idxs=[1]),
     "lfm2_moe": dict(full_attn_idxs=[1]),
     "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                           linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
 }
 
 
@@ -66,6 +73,9 @@ class SweepResult:
     gap: Optional[float] = None
     detail: str = ""
     stock_gap: Optional[float] = None  # the same batch without packing (documents leak there)
+    #: capabilities packing makes document-aware in this family (``alibi``, ``stateful_mixer``);
+    #: empty for families whose only sequence mixer is masked attention
+    made_correct: tuple[str, ...] = ()
 
 
 def causal_lm_families() -> list[str]:
@@ -118,6 +128,7 @@ def sweep_family(model_type: str, use_model: bool = True, tol: float = 1e-4,
     some families, e.g. those with attention sinks, only compute correctly on eager).
     ``with_stock``: also measure the same batch without packing (``stock_gap``).
     """
+    from .capabilities import capabilities_for_config
     from .packing import enable_packing
 
     batch = batch if batch is not None else packed_batch()
@@ -155,4 +166,5 @@ def sweep_family(model_type: str, use_model: bool = True, tol: float = 1e-4,
             if handle is not None:
                 handle.remove()
     outcome = "correct" if gap <= tol else "leak"
-    return SweepResult(model_type, outcome, gap=gap, detail=implementation, stock_gap=stock)
+    made = tuple(c.name for c in capabilities_for_config(model.config) if c.targets_for(model_type))
+    return SweepResult(model_type, outcome, gap=gap, detail=implementation, stock_gap=stock, made_correct=made)

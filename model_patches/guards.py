@@ -3,8 +3,10 @@
 - ``masking_utils._preprocess_mask_arguments``: an indexed mask that still reaches it came from
   a model module the builders do not cover, which would silently cast it to bool.
 - ``create_recurrent_attention_mask`` (releases that have it): Mamba / linear-attention / conv
-  layers would scale tokens by their document id and carry state across documents.
-- ``*ForCausalLM.forward`` of refused families whose masks never pass through masking_utils.
+  layers would scale tokens by their document id and carry state across documents; families
+  whose mixers run per document get the document ids instead (:func:`build_recurrent_mask`).
+- ``*ForCausalLM.forward`` of refused families whose masks never pass through masking_utils
+  (indexed masks and packed ``position_ids``, which those families ignore or misread).
 - the builders' own checks: families with a refused capability (ALiBi, stateful mixers), and
   absolute position embeddings fed row positions (see :mod:`model_patches.capabilities`).
 
@@ -22,17 +24,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .masks import document_positions, reads_as_document_ids
+from .capabilities import capabilities_for_config
+from .masks import document_ids, document_positions, reads_as_document_ids, split_at_position_resets
 
 __all__ = [
     "refuse_if",
     "refuse_indexed",
     "refuse_packed_input",
+    "position_restarts",
     "check_positions",
     "guard_probe",
     "build_guard",
     "recurrent_probe",
-    "build_recurrent_guard",
+    "build_recurrent_mask",
     "forward_probe",
     "build_forward_guard",
 ]
@@ -81,6 +85,19 @@ def _family(target: str, config: Any) -> str:
     return module if ".models." in module else f"model_type {kind!r}"
 
 
+def position_restarts(positions: Any, mask: Any) -> Optional[torch.Tensor]:
+    """Bool scalar: ``positions`` ([B, T] or [T], int) restart between two real tokens of a row,
+    i.e. they mark packed documents. None when there is nothing to read (no positions, T <= 1).
+    ``mask`` ([B, T], any dtype, optional) marks padding (0), between which restarts are allowed
+    (left padding's positions restart too)."""
+    if not isinstance(positions, torch.Tensor) or positions.ndim == 0 or positions.shape[-1] <= 1:
+        return None
+    restarts = positions[..., 1:] != positions[..., :-1] + 1
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] == positions.shape[-1]:
+        restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
+    return restarts.any()
+
+
 def refuse_packed_input(mask: Any, positions: Optional[torch.Tensor], embeds: Any, target: str,
                          config: Any, refused: list) -> None:
     """Raise if an indexed mask, or packed position_ids, reach a family packing refuses."""
@@ -94,11 +111,10 @@ def refuse_packed_input(mask: Any, positions: Optional[torch.Tensor], embeds: An
     flags = []
     if reads_as_document_ids(mask) and mask.numel():
         flags.append((mask > 1).any())
-    if positions is not None and positions.shape[-1] > 1 and embeds is not None and embeds.shape[1] == positions.shape[-1]:
-        restarts = positions[:, 1:] != positions[:, :-1] + 1  # packed position_ids mark documents too
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] == positions.shape[-1]:
-            restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)  # only between real tokens
-        flags.append(restarts.any())
+    if embeds is not None and positions is not None and embeds.shape[1] == positions.shape[-1]:
+        restart = position_restarts(positions, mask)
+        if restart is not None:
+            flags.append(restart)
     if flags:
         flag = flags[0] if len(flags) == 1 else flags[0] | flags[1].to(flags[0].device)
         refuse_if(flag, message)
@@ -129,27 +145,65 @@ def recurrent_probe(fn: Any) -> Optional[str]:
     return None
 
 
-def build_recurrent_guard(target: str) -> Callable[[Any], Any]:
-    """Builder of a ``create_recurrent_attention_mask`` that refuses an indexed mask.
+def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
+    """Builder of ``create_recurrent_attention_mask`` under packing.
 
     Transformers hands that 2D mask to Mamba / linear-attention / convolution layers, which
-    multiply hidden states by it and carry their state across it: an indexed mask would scale
-    tokens by their document id and leak state between documents, whatever the family.
+    multiply hidden states by it and carry their state across it. For a family whose mixers run
+    per document (its ``stateful_mixer`` records live, see
+    :mod:`model_patches.document_mixers`), the replacement returns the document ids instead:
+    from an int / float mask, split further at packed ``position_ids``; from a bool mask or no
+    mask, when ``position_ids`` are packed (checked with one host read in eager mode; under
+    ``torch.compile`` packed ``position_ids`` without an indexed mask are refused instead, so
+    that ordinary batches compile as stock). For any other family an indexed mask is refused:
+    it would scale tokens by their document id and leak state between documents.
     """
 
     def build(original: Callable) -> Callable:
         @functools.wraps(original)
         def recurrent_mask(*args: Any, **kwargs: Any) -> Any:
+            if not _is_live(target, recurrent_mask):
+                return original(*args, **kwargs)
             mask = _arg(args, kwargs, ("attention_mask",), 2)
-            if reads_as_document_ids(mask) and _is_live(target, recurrent_mask):
-                config = _arg(args, kwargs, ("config",), 0)
-                refuse_indexed(mask, (
-                    f"packing is refused for {_family(target, config)} (stateful_mixer: its "
-                    "recurrent / convolutional / linear-attention layers carry state from one "
-                    "document into the next whatever the attention mask says). Fix: train this "
-                    "model without packing (one document per row, a 0/1 or bool padding mask)"
-                ))
-            return original(*args, **kwargs)
+            config = _arg(args, kwargs, ("config",), 0)
+            embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), 1)
+            mixers = [c for c in capabilities_for_config(config) if c.handling == "refused"]
+            if not mixers or any(not c.covers(config) for c in mixers):
+                if reads_as_document_ids(mask):
+                    refuse_indexed(mask, (
+                        f"packing is refused for {_family(target, config)} (stateful_mixer: its "
+                        "recurrent / convolutional / linear-attention layers carry state from one "
+                        "document into the next whatever the attention mask says). Fix: train this "
+                        "model without packing (one document per row, a 0/1 or bool padding mask)"
+                    ))
+                return original(*args, **kwargs)
+            length = embeds.shape[1] if isinstance(embeds, torch.Tensor) else 0
+            positions = kwargs.get("position_ids")
+            if not (isinstance(positions, torch.Tensor) and positions.ndim == 2 and positions.shape[-1] == length):
+                positions = None
+            if length <= 1 or (mask is not None and not (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
+                return original(*args, **kwargs)
+            if reads_as_document_ids(mask):
+                ids = document_ids(mask)[:, -length:]
+            else:
+                if positions is None:
+                    return original(*args, **kwargs)
+                base = mask[:, -length:] if mask is not None else torch.ones(embeds.shape[:2], device=embeds.device)
+                ids = base.long()
+                restarts = (positions[:, 1:] != positions[:, :-1] + 1) & (ids[:, 1:] != 0) & (ids[:, :-1] != 0)
+                if torch.compiler.is_compiling() or ids.device.type != "cpu":
+                    refuse_if(restarts.any(), (
+                        f"{_family(target, config)}: packed position_ids without an indexed attention "
+                        "mask reach a recurrent mixer inside a compiled region (or off the CPU), where "
+                        "the documents cannot be told apart without a host read. Fix: pass the "
+                        "collator's indexed attention_mask (PackingCollator returns it)"
+                    ))
+                    return original(*args, **kwargs)
+                if not bool(restarts.any()):
+                    return original(*args, **kwargs)
+            if positions is not None:
+                ids = split_at_position_resets(ids, positions.to(ids.device))
+            return ids.contiguous()
 
         recurrent_mask._packing_original = original  # type: ignore[attr-defined]
         return recurrent_mask
@@ -169,17 +223,23 @@ def build_forward_guard(family: str, reason: str) -> Callable[[Any], Any]:
     mixers never pass through masking_utils)."""
 
     def build(original: Callable) -> Callable:
-        index = _params(original).index("attention_mask")
+        params = _params(original)
+        index = params.index("attention_mask")
+        positions_index = params.index("position_ids") if "position_ids" in params else len(params)
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             mask = _arg(args, kwargs, ("attention_mask",), index)
+            message = (
+                f"packing is refused for model_type {family!r} ({reason}). An indexed (packed) "
+                "mask or packed position_ids would leak across documents. Fix: train this model "
+                "without packing (one document per row, a 0/1 or bool padding mask)"
+            )
             if reads_as_document_ids(mask):
-                refuse_indexed(mask, (
-                    f"packing is refused for model_type {family!r} ({reason}). An indexed "
-                    "(packed) mask would leak across documents. Fix: train this model without "
-                    "packing (one document per row, a 0/1 or bool padding mask)"
-                ))
+                refuse_indexed(mask, message)
+            restart = position_restarts(_arg(args, kwargs, ("position_ids",), positions_index), mask)
+            if restart is not None:  # position-id packing: the family ignores or misreads them
+                refuse_if(restart, message)
             return original(*args, **kwargs)
 
         forward._packing_original = original  # type: ignore[attr-defined]

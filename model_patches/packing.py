@@ -35,11 +35,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from .guards import build_forward_guard, build_guard, build_recurrent_guard, forward_probe, guard_probe, recurrent_probe
+from .guards import build_forward_guard, build_guard, build_recurrent_mask, forward_probe, guard_probe, recurrent_probe
 from .packing_patches import build_mask_builder, build_unpad, mask_builder_probe, same_function_probe, unpad_probe
 from .aux_loss import AUX_LOSS_NAME, aux_loss_modules, aux_loss_probe, build_aux_loss
-from .capabilities import CAPABILITIES, refusals_for_model
-from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, live_records, record_status
+from .alibi import ALIBI_NAME, alibi_probe, build_alibi
+from .capabilities import CAPABILITIES, made_correct_targets, refusals_for_model
+from .document_mixers import build_mixer, mixer_probe
+from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, is_applied, live_records, record_status
 
 __all__ = ["enable_packing", "packing_status", "packing_records", "check_model", "FAMILIES", "MOE_FAMILIES", "EPOCHS"]
 
@@ -165,13 +167,59 @@ def _recurrent_records() -> list[PatchRecord]:
 @functools.lru_cache(maxsize=None)
 def _recurrent_record(module: str) -> PatchRecord:
     return _made(PatchRecord(
-        name=f"{module.rsplit('.', 1)[-1]}.{_RECURRENT} (guard: refuse indexed masks in stateful mixers)",
+        name=f"{module.rsplit('.', 1)[-1]}.{_RECURRENT} (document ids for per-document mixers, else refuse indexed masks)",
         target=f"{module}:{_RECURRENT}",
         versions=">=4.53",
         probe=recurrent_probe,
-        build=build_recurrent_guard(f"{module}:{_RECURRENT}"),
+        build=build_recurrent_mask(f"{module}:{_RECURRENT}"),
         epoch="4.53+",
         doc="Mamba / linear-attention / conv layers would scale tokens by document id and carry state",
+    ))
+
+
+def _made_correct_records() -> list[PatchRecord]:
+    """Records that make a refused capability correct in a family (ALiBi from per-document
+    positions, mixers run per document), for every such target whose module is imported.
+
+    A family whose module is imported only later stays refused until ``enable_packing`` runs
+    again (or is given the model), because its targets are not patched.
+    """
+    records = []
+    for target in made_correct_targets():
+        module, _, attr = target.partition(":")
+        if module not in sys.modules or attr == _RECURRENT:  # the recurrent builders: _recurrent_records
+            continue
+        if attr == ALIBI_NAME:
+            records.append(_alibi_record(module))
+        elif attr.endswith(".forward"):
+            records.append(_mixer_record(target))
+    return records
+
+
+@functools.lru_cache(maxsize=None)
+def _alibi_record(module: str) -> PatchRecord:
+    return _made(PatchRecord(
+        name=f"{module.rsplit('.', 1)[-1]}.{ALIBI_NAME} (ALiBi from per-document positions)",
+        target=f"{module}:{ALIBI_NAME}",
+        versions=">=4.53",
+        probe=alibi_probe,
+        build=build_alibi,
+        epoch="4.53+",
+        doc="every key positioned inside its own document, as when that document runs alone",
+    ))
+
+
+@functools.lru_cache(maxsize=None)
+def _mixer_record(target: str) -> PatchRecord:
+    module, _, attr = target.partition(":")
+    return _made(PatchRecord(
+        name=f"{attr} (stateful mixer run per document)",
+        target=target,
+        versions=">=4.53",
+        probe=mixer_probe,
+        build=build_mixer,
+        epoch="4.53+",
+        doc="each document of a packed row runs from a fresh state (length-grouped segments)",
     ))
 
 
@@ -240,6 +288,7 @@ def packing_records(extra_modules: Sequence[str] = ()) -> list[PatchRecord]:
     moe += [m for m in [*aux_loss_modules(), *extra_modules] if m not in moe and _defines_aux_loss(m)]
     records.extend(_aux_loss_record(m) for m in moe)
     records.extend(_recurrent_records())
+    records.extend(_made_correct_records())
     records.extend(_forward_guard_records())
     for epoch in EPOCHS:
         records.append(_builder_record(_MU, _BUILDERS[0], epoch))
@@ -291,8 +340,8 @@ def enable_packing(
     masks pass through; packed ``position_ids`` split documents too. Shapes ``[batch, seq]``.
     """
     if model is not None:
-        _refuse_capabilities(model)
-        own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in (*_BUILDERS, AUX_LOSS_NAME))]
+        _refuse_capabilities(model, assume_patched=True)
+        own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in (*_BUILDERS, AUX_LOSS_NAME, _RECURRENT))]
         extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict)
     applied = sum(r.state == "applied" for r in handle.rows)
@@ -344,9 +393,10 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def _refuse_capabilities(model: torch.nn.Module) -> None:
-    """Raise ValueError naming every refused capability of ``model`` (module and reason)."""
-    refusals = refusals_for_model(model)
+def _refuse_capabilities(model: torch.nn.Module, assume_patched: bool = False) -> None:
+    """Raise ValueError naming every refused capability of ``model`` (module and reason);
+    ``assume_patched``: before applying, so families the records make correct pass."""
+    refusals = refusals_for_model(model, assume_patched)
     if refusals:
         why = "; ".join(f"{cap.name} ({where}): {cap.reason}" for cap, where in refusals)
         raise ValueError(
@@ -362,16 +412,34 @@ def packing_status(extra_modules: Sequence[str] = ()) -> list[StatusRow]:
 
     Lists every packing record that is live however it was applied (plain ``enable_packing()``,
     ``model=``, ``extra_modules``, or a module discovered at the time), then one ``refused`` row
-    per refused capability of :data:`model_patches.capabilities.CAPABILITIES` (its families and why).
+    per capability of :data:`model_patches.capabilities.CAPABILITIES` with families it still
+    refuses (or checks), and why, preceded by a ``made correct`` row listing the families where packing
+    makes that capability document-aware (``applied`` while packing is on and every imported
+    family's records are live, ``available`` otherwise).
     """
     records = packing_records(extra_modules)
     known = {r.target for r in records}
     records += [r for r in live_records() if r.target not in known and r in _MADE]
     rows = record_status(records)
     for cap in CAPABILITIES:
-        state = "refused" if cap.handling == "refused" else "checked"
-        rows.append(StatusRow(
-            name=f"capability {cap.name} ({cap.handling})", target=", ".join(cap.families),
-            versions="any", state=state, reason=cap.reason, epoch="capability",
-        ))
+        made = [family for family, _ in cap.made_correct]
+        if made:
+            imported = [t for _, targets in cap.made_correct for t in targets if _module_imported(t)]
+            live = bool(imported) and all(is_applied(t) for t in imported)
+            rows.append(StatusRow(
+                name=f"capability {cap.name} (made correct)", target=", ".join(made), versions="any",
+                state="applied" if live else "available", epoch="capability",
+                reason="document-aware once enable_packing() patches the family's records (rows above)",
+            ))
+        remaining = [f for f in cap.families if f not in made]
+        if remaining:
+            rows.append(StatusRow(
+                name=f"capability {cap.name} ({cap.handling})", target=", ".join(remaining),
+                versions="any", state="refused" if cap.handling == "refused" else "checked",
+                reason=cap.reason, epoch="capability",
+            ))
     return rows
+
+
+def _module_imported(target: str) -> bool:
+    return target.partition(":")[0] in sys.modules

@@ -112,7 +112,7 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
             cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
             embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), i_embeds)
             caps = capabilities_for_config(config)
-            refused = [c for c in caps if c.handling == "refused"]
+            refused = [c for c in caps if c.handling == "refused" and not c.covers(config)]
             if refused:
                 refuse_packed_input(mask, positions, embeds, target, config, refused)
                 return original(*args, **kwargs)
@@ -187,10 +187,17 @@ def _same_document_call(
 
 
 def _empty_cache(cache: Any) -> bool:
-    """A cache object holding no tokens yet (prefill); False for None or an unknown length."""
+    """A cache object holding no tokens yet (prefill); False for None or an unknown length.
+
+    Hybrid caches report a linear-attention layer's count as a 0-dim tensor: read in eager mode
+    (one scalar); under ``torch.compile`` it counts as unknown (the recurrent mask builder then
+    refuses packed ``position_ids`` that lack an indexed mask, so nothing leaks silently).
+    """
     if cache is None or not hasattr(cache, "get_seq_length"):
         return False
     length = cache.get_seq_length()
+    if isinstance(length, torch.Tensor) and length.numel() == 1 and not torch.compiler.is_compiling():
+        length = int(length)
     return isinstance(length, int) and length == 0
 
 

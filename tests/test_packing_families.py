@@ -1,8 +1,9 @@
 """The packing oracle over Transformers' causal-LM families: each correct or refused, never a leak.
 
 Correct = packed logits equal each document run alone (max gap <= 1e-4, fp32); refused = an
-error naming the module and the reason (ALiBi, a stateful mixer, masks built outside
-masking_utils, absolute positions without per-document position_ids). Both entry points:
+error naming the module and the reason (a stateful mixer packing cannot run per document, masks
+built outside masking_utils, absolute positions without per-document position_ids). ALiBi
+families and the hybrid families whose mixers run per document are correct. Both entry points:
 ``enable_packing(model=...)`` (checked at entry) and plain ``enable_packing()`` (checked by the
 forward). The default run covers a representative set with the outcome each must have; the
 nightly profile (``-m "slow or not slow"``) sweeps every family the installed release can build.
@@ -19,12 +20,14 @@ REPRESENTATIVE: dict[str, tuple[dict, str]] = {
     "llama": ({}, "correct"),
     "gpt2": ({}, "correct"),  # absolute positions, given per-document position_ids
     "falcon": ({}, "correct"),  # rotary by default
-    "falcon+alibi": ({"alibi": True}, "refused"),
-    "bloom": ({}, "refused"),
-    "jamba": ({}, "refused"),
-    "qwen3_next": ({}, "refused"),
-    "lfm2": ({}, "refused"),
-    "mamba": ({}, "refused"),
+    "falcon+alibi": ({"alibi": True}, "correct"),  # ALiBi from per-document positions
+    "bloom": ({}, "correct"),
+    "mpt": ({}, "correct"),  # ALiBi that does not read the mask
+    "jamba": ({}, "correct"),  # Mamba mixers run per document
+    "bamba": ({}, "correct"),  # Mamba-2
+    "qwen3_next": ({}, "correct"),  # gated delta net
+    "lfm2": ({}, "correct"),  # short convolutions
+    "mamba": ({}, "refused"),  # builds no masks: nothing hands its mixers the documents
     "cpmant": ({}, "refused"),
 }
 

@@ -216,8 +216,8 @@ def test_late_import_falls_back_after_remove() -> None:
 
 
 def test_status_lists_every_live_record_however_it_was_applied() -> None:
-    """Modules patched through model= (not in FAMILIES), the MoE aux-loss records, and one
-    refused row per capability."""
+    """Modules patched through model= (not in FAMILIES), the MoE aux-loss records, one refused
+    row per capability and one made-correct row for capabilities packing makes document-aware."""
     from model_patches.family_sweep import tiny_causal_lm
 
     model = tiny_causal_lm("olmo")
@@ -229,6 +229,14 @@ def test_status_lists_every_live_record_however_it_was_applied() -> None:
         applied = {r.target for r in rows if r.state == "applied"}  # one row per epoch; one admitted
         assert target in applied and aux in applied, sorted(applied)
         refused = [r for r in rows if r.state == "refused"]
-        assert {"alibi", "stateful_mixer", "own_masks"} <= {r.name.split()[1] for r in refused}
-        assert any("bloom" in r.target and "cumsum" in r.reason for r in refused)
+        assert {"stateful_mixer", "own_masks"} <= {r.name.split()[1] for r in refused}
+        assert any("mamba" in r.target and "state carries" in r.reason for r in refused)
+        made = {r.name.split()[1]: r for r in rows if r.name.endswith("(made correct)")}
+        assert {"bloom", "falcon"} <= set(made["alibi"].target.split(", "))
+        assert {"qwen3_next", "jamba", "bamba"} <= set(made["stateful_mixer"].target.split(", "))
+        assert not any("bloom" in r.target.split(", ") or "qwen3_next" in r.target.split(", ") for r in refused)
+    tiny_causal_lm("bloom")  # imports modeling_bloom: its ALiBi record is live only under packing
+    assert {r.state for r in packing_status() if r.name == "capability alibi (made correct)"} == {"available"}
+    with enable_packing():
+        assert {r.state for r in packing_status() if r.name == "capability alibi (made correct)"} == {"applied"}
     assert target not in {r.target for r in packing_status() if r.state == "applied"}

@@ -4,7 +4,8 @@
   restarting at every document) while a cache exists (``use_cache`` left at its default);
 - packed ``position_ids`` together with a 0/1 (or all-ones) 2D mask;
 - absolute position embeddings (GPT-2) with an indexed mask and no ``position_ids``;
-- families packing refuses (ALiBi, stateful mixers) under plain ``enable_packing()``.
+- families packing still refuses (stateful mixers it does not run per document, models with
+  their own masks) under plain ``enable_packing()``, by mask or by packed ``position_ids``.
 Each case runs stock Transformers first and requires it to leak (the control).
 """
 
@@ -81,24 +82,33 @@ def test_absolute_positions_need_per_document_position_ids() -> None:
             model(input_ids=batch["input_ids"], attention_mask=(batch["attention_mask"] != 0).long())
 
 
-@pytest.mark.parametrize("family, reason", [("bloom", "ALiBi"), ("qwen3_next", "recurrent")])
+@pytest.mark.parametrize(
+    "family, reason",
+    [
+        ("inkling_text", "recurrent"),  # mixer mask through masking_utils: the builders refuse
+        ("mamba", "recurrent"),  # no masking_utils at all: the model forward refuses
+        ("cpmant", "outside masking_utils"),  # its own masks: the model forward refuses
+    ],
+)
 def test_refused_family_under_plain_enable_packing(family: str, reason: str) -> None:
-    """No model= check: the forward itself refuses an indexed mask or packed positions, naming
-    the module and the reason; an ordinary padding mask still runs as in stock Transformers."""
+    """No model= check: the forward itself refuses an indexed mask (int or float) and packed
+    position_ids (which these families misread or ignore), naming the family and the reason; an
+    ordinary padding mask still runs as in stock Transformers."""
     model, batch = use_attention(_model(family), "sdpa"), packed_batch()
     ids, positions = _flattened()
+    name = family.removesuffix("_text")
     with enable_packing(), torch.no_grad():
-        with pytest.raises(ValueError, match=rf"(?s){family}.*{reason}"):
+        with pytest.raises(ValueError, match=rf"(?s){name}.*{reason}"):
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        with pytest.raises(ValueError, match=rf"(?s){family}.*{reason}"):
+        with pytest.raises(ValueError, match=rf"(?s){name}.*{reason}"):
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].float())
-        if family != "bloom":  # bloom takes no position_ids
-            with pytest.raises(ValueError, match=reason):
-                model(input_ids=ids, position_ids=positions)
-            with pytest.raises(ValueError, match=reason):  # packed positions under an all-ones mask
-                model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))
+        with pytest.raises(ValueError, match=reason):
+            model(input_ids=ids, position_ids=positions)
+        with pytest.raises(ValueError, match=reason):  # packed positions under an all-ones mask
+            model(input_ids=ids, position_ids=positions, attention_mask=torch.ones_like(ids))
         padding = (batch["attention_mask"] != 0).long()
         stock_free = model(input_ids=batch["input_ids"], attention_mask=padding).logits
+        model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])  # row positions: fine
     stock = model(input_ids=batch["input_ids"], attention_mask=padding).logits
     torch.testing.assert_close(stock_free, stock)
     with pytest.raises(ValueError, match=reason):
@@ -106,7 +116,7 @@ def test_refused_family_under_plain_enable_packing(family: str, reason: str) -> 
 
 
 def test_a_stateful_family_missing_from_the_registry_is_still_refused(monkeypatch) -> None:
-    """Take qwen3_next out of the capability records: model= finds its mixer by structure, and
+    """Take qwen3_next out of the capability records (refused and made-correct lists): model= finds its mixer by structure, and
     under plain enable_packing() the recurrent-mask guard refuses what the builder let through."""
     import dataclasses
 
@@ -114,7 +124,7 @@ def test_a_stateful_family_missing_from_the_registry_is_still_refused(monkeypatc
     import model_patches.packing_patches as patches
 
     model, batch = use_attention(_model("qwen3_next"), "sdpa"), packed_batch()
-    emptied = tuple(dataclasses.replace(c, families=()) for c in capabilities.CAPABILITIES)
+    emptied = tuple(dataclasses.replace(c, families=(), made_correct=()) for c in capabilities.CAPABILITIES)
     monkeypatch.setattr(capabilities, "CAPABILITIES", emptied)
     monkeypatch.setattr(patches, "capabilities_for_config", lambda config: [])
     with pytest.raises(ValueError, match=r"stateful_mixer \(module '.*linear_attn'\)"):
