@@ -114,8 +114,11 @@ _RECURRENT_CLASS_WORDS = ("Mamba", "GatedDeltaNet", "LinearAttention", "Lightnin
 
 
 def _recurrent_class(fqn: str, module: torch.nn.Module) -> bool:
+    """A module named like a recurrent mixer (norms and embeddings of such families excluded)."""
     name = type(module).__name__
-    return any(word in name for word in _RECURRENT_CLASS_WORDS) and not name.endswith(("Model", "ForCausalLM", "Config"))
+    if name.endswith(("Model", "ForCausalLM", "Config")) or "Norm" in name or "Embedding" in name:
+        return False
+    return any(word in name for word in _RECURRENT_CLASS_WORDS)
 
 
 def _any(*detectors: Detector) -> Detector:
@@ -135,11 +138,13 @@ def _alibi_family(family: str) -> tuple[str, tuple[str, ...]]:
     return family, (f"{_module(family)}:build_alibi_tensor",)
 
 
-def _mixer_family(family: str, *mixers: str, module: str = "") -> tuple[str, tuple[str, ...]]:
-    """Mixer classes of ``modeling_<module or family>`` that get their mask from
-    ``create_recurrent_attention_mask`` and run per document once their ``forward`` is patched."""
+def _mixer_family(family: str, *mixers: str, module: str = "", recurrent_mask: bool = True) -> tuple[str, tuple[str, ...]]:
+    """Mixer classes of ``modeling_<module or family>`` that run per document once their
+    ``forward`` is patched. They get their mask from ``create_recurrent_attention_mask`` (patched
+    too), or with ``recurrent_mask=False`` straight from the model's ``attention_mask`` (Mamba)."""
     path = _module(module or family)
-    return family, (f"{path}:create_recurrent_attention_mask", *(f"{path}:{m}.forward" for m in mixers))
+    builder = (f"{path}:create_recurrent_attention_mask",) if recurrent_mask else ()
+    return family, (*builder, *(f"{path}:{m}.forward" for m in mixers))
 
 
 #: Every capability packing knows about, as data.
@@ -182,6 +187,9 @@ CAPABILITIES: tuple[Capability, ...] = (
             _mixer_family("zamba2", "Zamba2MambaMixer"),
             _mixer_family("lfm2", "Lfm2ShortConv"),
             _mixer_family("lfm3", "Lfm3ShortConv"),
+            _mixer_family("mamba2", "Mamba2Mixer"),
+            _mixer_family("mamba", "MambaMixer", recurrent_mask=False),
+            _mixer_family("falcon_mamba", "FalconMambaMixer", recurrent_mask=False),
         ),
         reason=(
             "recurrent / convolutional / linear-attention mixer: its state carries from one "

@@ -43,6 +43,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=8, mamba_d_head=32),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16, chunk_size=8),
     "falcon_h1": dict(mamba_n_heads=4, mamba_d_state=8, mamba_d_head=32, mamba_d_ssm=128),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_state=8, mamba_d_head=32),
     "nemotron_h": dict(layers_block_type=["mamba", "attention"], mamba_num_heads=4, ssm_state_size=8,

@@ -86,15 +86,16 @@ def _family(target: str, config: Any) -> str:
 
 
 def position_restarts(positions: Any, mask: Any) -> Optional[torch.Tensor]:
-    """Bool scalar: ``positions`` ([B, T] or [T], int) restart between two real tokens of a row,
-    i.e. they mark packed documents. None when there is nothing to read (no positions, T <= 1).
-    ``mask`` ([B, T], any dtype, optional) marks padding (0), between which restarts are allowed
-    (left padding's positions restart too)."""
+    """Bool scalar: ``positions`` ([B, T], [T] or [3, B, T], int) restart inside a run of real
+    tokens the mask puts in one document, i.e. they mark packed documents the mask does not.
+    None when there is nothing to read (no positions, T <= 1). ``mask`` ([B, T], any dtype,
+    optional): restarts next to padding (0; left padding's positions restart too) and where the
+    mask's document id changes (an indexed mask, whose documents restart) are allowed."""
     if not isinstance(positions, torch.Tensor) or positions.ndim == 0 or positions.shape[-1] <= 1:
         return None
     restarts = positions[..., 1:] != positions[..., :-1] + 1
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[-1] == positions.shape[-1]:
-        restarts = restarts & (mask[:, 1:] != 0) & (mask[:, :-1] != 0)
+        restarts = restarts & (mask[:, 1:] != 0) & (mask[:, 1:] == mask[:, :-1])
     return restarts.any()
 
 
@@ -218,9 +219,15 @@ def forward_probe(fn: Any) -> Optional[str]:
     return None
 
 
-def build_forward_guard(family: str, reason: str) -> Callable[[Any], Any]:
-    """Builder of a model ``forward`` that refuses an indexed mask (families whose masks and
-    mixers never pass through masking_utils)."""
+def build_forward_guard(family: str) -> Callable[[Any], Any]:
+    """Builder of a model ``forward`` of a family whose masks never pass through masking_utils
+    (Mamba, RWKV, models with their own masks).
+
+    While the family has a refused capability (see :mod:`model_patches.capabilities`), it refuses
+    an indexed mask and packed ``position_ids``. Once every capability is made correct (Mamba's
+    mixers run per document), indexed masks pass, and only packed ``position_ids`` that the mask
+    does not separate are refused: those mixers read documents from the mask alone.
+    """
 
     def build(original: Callable) -> Callable:
         params = _params(original)
@@ -230,13 +237,24 @@ def build_forward_guard(family: str, reason: str) -> Callable[[Any], Any]:
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             mask = _arg(args, kwargs, ("attention_mask",), index)
-            message = (
-                f"packing is refused for model_type {family!r} ({reason}). An indexed (packed) "
-                "mask or packed position_ids would leak across documents. Fix: train this model "
-                "without packing (one document per row, a 0/1 or bool padding mask)"
-            )
-            if reads_as_document_ids(mask):
-                refuse_indexed(mask, message)
+            config = getattr(args[0], "config", None) if args else None
+            refused = [c for c in capabilities_for_config(config) if c.handling == "refused" and not c.covers(config)]
+            if config is None or refused:
+                why = "; ".join(f"{c.name}: {c.reason}" for c in refused) or "no config to check"
+                message = (
+                    f"packing is refused for model_type {family!r} ({why}). An indexed (packed) "
+                    "mask or packed position_ids would leak across documents. Fix: train this "
+                    "model without packing (one document per row, a 0/1 or bool padding mask)"
+                )
+                if reads_as_document_ids(mask):
+                    refuse_indexed(mask, message)
+            else:
+                message = (
+                    f"model_type {family!r} reads packed documents from an indexed attention mask "
+                    "only, and got packed position_ids (restarting inside what the mask calls one "
+                    "document). Fix: pass the indexed mask of the packed batch (PackingCollator "
+                    "returns it) instead of position-id packing"
+                )
             restart = position_restarts(_arg(args, kwargs, ("position_ids",), positions_index), mask)
             if restart is not None:  # position-id packing: the family ignores or misreads them
                 refuse_if(restart, message)

@@ -225,7 +225,7 @@ def _mixer_record(target: str) -> PatchRecord:
 
 @functools.lru_cache(maxsize=None)
 def _forward_guard_records() -> tuple[PatchRecord, ...]:
-    """Guards on ``*ForCausalLM.forward`` of refused families that never call masking_utils
+    """Guards on ``*ForCausalLM.forward`` of families (refused, or made correct) that never call masking_utils
     (imported here, about 0.5 s once per process; families this release lacks are left out)."""
     import importlib
 
@@ -246,11 +246,11 @@ def _forward_guard_records() -> tuple[PatchRecord, ...]:
             present = owner is not None and forward_probe(owner.forward) is None
             if present:
                 records.append(_made(PatchRecord(
-                    name=f"{cls}.forward (guard: {cap.name}, refused)",
+                    name=f"{cls}.forward (guard: {cap.name})",
                     target=f"{module}:{cls}.forward",
                     versions=">=4.53",
                     probe=forward_probe,
-                    build=build_forward_guard(family, cap.reason),
+                    build=build_forward_guard(family),
                     epoch="4.53+",
                     doc=cap.reason,
                 )))
@@ -287,9 +287,10 @@ def packing_records(extra_modules: Sequence[str] = ()) -> list[PatchRecord]:
     moe = [f"transformers.models.{f}.modeling_{f}" for f in MOE_FAMILIES]
     moe += [m for m in [*aux_loss_modules(), *extra_modules] if m not in moe and _defines_aux_loss(m)]
     records.extend(_aux_loss_record(m) for m in moe)
+    guards = _forward_guard_records()  # imports the guarded families' modules: their mixer records below
     records.extend(_recurrent_records())
     records.extend(_made_correct_records())
-    records.extend(_forward_guard_records())
+    records.extend(guards)
     for epoch in EPOCHS:
         records.append(_builder_record(_MU, _BUILDERS[0], epoch))
         records.append(_builder_record(_MU, _BUILDERS[1], epoch))
@@ -365,12 +366,14 @@ def _model_modules(model: torch.nn.Module) -> list[str]:
 def check_model(model: torch.nn.Module) -> None:
     """Raise ``ValueError`` unless every Transformers model module used by ``model`` is covered now.
 
-    Covered = nothing in the model mixes information along the sequence outside the attention
-    masks (no ALiBi, no recurrent / convolutional / linear-attention mixer: see
-    :mod:`model_patches.capabilities`), and each module's ``create_causal_mask`` (and
-    sliding-window builder, if it has one) is currently the packing replacement. A module that
-    builds masks another way would let packed documents attend to each other silently, so it is
-    refused here.
+    Covered = every capability that mixes information along the sequence outside the attention
+    masks (ALiBi, recurrent / convolutional / linear-attention mixers: see
+    :mod:`model_patches.capabilities`) is absent or made correct by live records, and each
+    module's ``create_causal_mask`` (and sliding-window builder, if it has one) is currently the
+    packing replacement. A module without builders is covered only when it holds live
+    made-correct records of the model's family (Mamba: no attention, every mixer per document).
+    A module that builds masks another way would let packed documents attend to each other
+    silently, so it is refused here.
     """
     _refuse_capabilities(model)
     modules = _model_modules(model)
@@ -381,6 +384,8 @@ def check_model(model: torch.nn.Module) -> None:
         if builders:
             live = all(callable(getattr(b, "_packing_live", None)) and b._packing_live() for b in builders)
             (covered if live else bad).append(name)
+        elif name in _made_correct_modules(model):  # no attention masks at all: Mamba's mixers
+            covered.append(name)
     if not covered:  # a model with no masking_utils builders at all builds masks its own way
         bad = bad or modules or [type(model).__module__]
     if bad:
@@ -391,6 +396,16 @@ def check_model(model: torch.nn.Module) -> None:
             "would leak across documents. Fix: use a model family that does (covered by name: "
             f"{', '.join(FAMILIES)}), or train this model without packing"
         )
+
+
+def _made_correct_modules(model: torch.nn.Module) -> set[str]:
+    """Modules holding live made-correct targets of ``model``'s families (every target patched)."""
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    return {
+        target.partition(":")[0]
+        for cap in CAPABILITIES for config in configs if cap.applies_to(config) and cap.covers(config)
+        for target in cap.targets_for(config.model_type)
+    }
 
 
 def _refuse_capabilities(model: torch.nn.Module, assume_patched: bool = False) -> None:

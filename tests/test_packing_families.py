@@ -27,7 +27,8 @@ REPRESENTATIVE: dict[str, tuple[dict, str]] = {
     "bamba": ({}, "correct"),  # Mamba-2
     "qwen3_next": ({}, "correct"),  # gated delta net
     "lfm2": ({}, "correct"),  # short convolutions
-    "mamba": ({}, "refused"),  # builds no masks: nothing hands its mixers the documents
+    "mamba": ({}, "correct"),  # no attention: the model hands its mixers the mask itself
+    "rwkv": ({}, "refused"),  # time mixing with no per-document record
     "cpmant": ({}, "refused"),
 }
 

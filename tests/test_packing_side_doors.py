@@ -86,7 +86,7 @@ def test_absolute_positions_need_per_document_position_ids() -> None:
     "family, reason",
     [
         ("inkling_text", "recurrent"),  # mixer mask through masking_utils: the builders refuse
-        ("mamba", "recurrent"),  # no masking_utils at all: the model forward refuses
+        ("rwkv", "recurrent"),  # no masking_utils at all: the model forward refuses
         ("cpmant", "outside masking_utils"),  # its own masks: the model forward refuses
     ],
 )

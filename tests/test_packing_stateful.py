@@ -24,7 +24,7 @@ from model_patches.masks import document_ids
 from model_patches.packing_oracle import documents, grad_gap, logits_gap, packed_batch
 
 TOL, LEAK = 1e-4, 1e-2
-MIXERS = ("qwen3_next", "bamba", "jamba")
+MIXERS = ("qwen3_next", "bamba", "jamba", "mamba")  # mamba: no attention, mask straight to its mixers
 ALIBI = {"bloom": {}, "falcon": {"alibi": True}}
 
 
@@ -75,6 +75,27 @@ def test_position_id_packing_reaches_the_mixers(family: str) -> None:
             for kwargs in (inputs, {"input_ids": flat["input_ids"], "position_ids": flat["position_ids"]}):
                 got = model(**kwargs).logits[0]
                 assert float((got - alone).abs().max()) <= TOL
+
+
+def test_position_id_packing_without_a_mask_is_refused_where_mixers_read_only_the_mask() -> None:
+    """Mamba's mixers take the model's attention_mask and nothing else: packed position_ids
+    without an indexed mask are refused (stock ignores them and leaks); the collator's indexed
+    mask with its per-document positions is accepted, and row positions with a 0/1 mask too."""
+    from transformers import DataCollatorWithFlattening
+
+    model, batch = _model("mamba"), packed_batch()
+    docs = [batch["input_ids"][r, s:e].tolist() for r, s, e in documents(batch)]
+    flat = DataCollatorWithFlattening()([{"input_ids": d} for d in docs])
+    with enable_packing(model=model), torch.no_grad():
+        with pytest.raises(ValueError, match="mamba.*indexed attention mask only"):
+            model(input_ids=flat["input_ids"], position_ids=flat["position_ids"])
+        with pytest.raises(ValueError, match="indexed attention mask only"):
+            model(input_ids=flat["input_ids"], position_ids=flat["position_ids"],
+                  attention_mask=torch.ones_like(flat["input_ids"]))
+        length = flat["input_ids"].shape[1]
+        model(input_ids=flat["input_ids"], position_ids=torch.arange(length)[None],
+              attention_mask=torch.ones_like(flat["input_ids"]))
+        assert logits_gap(model, batch, "eager") <= TOL
 
 
 @pytest.mark.parametrize("family", MIXERS)
