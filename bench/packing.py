@@ -4,7 +4,7 @@ how full does ``PackingCollator`` fill its rows.
 Table 1 (installed Transformers): for each model family x attention backend, the max
 |packed logits - each document alone| (fp32) with stock Transformers and with
 ``enable_packing()``, on the same batch (3 rows of 12 tokens, 7 documents, padding).
-Table 2 (``bench.packing_families``): per family, stock gap, then made correct or refused
+Table 2 (``bench.packing_families``): per family, stock gap, then covered, made correct or refused
 (and why) under ``enable_packing(model=...)`` and plain ``enable_packing()``.
 Table 3 (``bench.packing_step``): compiled training-step time of a packed batch, stock vs
 ``enable_packing`` (``--packing-step off`` skips it).
@@ -49,6 +49,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="the compiled step-time table (two inductor compiles, a few minutes on CPU)")
     group.add_argument("--packing-step-backend", default="inductor")
     group.add_argument("--packing-step-repeats", type=int, default=5)
+    group.add_argument("--packing-step-models", nargs="+", default=["llama", "qwen3_next"],
+                       choices=["llama", "qwen3_next"], help="models of the compiled-step table")
     group.add_argument("--packing-max-length", type=int, default=4096)
 
 

@@ -1,10 +1,12 @@
 """Compiled training step on a packed batch, with and without ``enable_packing`` (a ``bench.measure`` variant).
 
-:func:`setup` builds a small random-init Llama (hidden 128, 2 layers, vocab 1024), a batch of
-4 rows x 512 tokens packed by ``PackingCollator`` from documents of 8-300 tokens, compiles the
-model with ``torch.compile`` and returns one forward + backward step. Without
+:func:`setup` builds a small random-init model (hidden 128, 2 layers, vocab 1024: Llama, or a
+Qwen3-Next with one gated-delta-net layer and one attention layer, see :data:`STEP_MODELS`), a
+batch of 4 rows x 512 tokens packed by ``PackingCollator`` from documents of 8-300 tokens,
+compiles the model with ``torch.compile`` and returns one forward + backward step. Without
 ``enable_packing`` the same indexed batch runs through stock Transformers (documents leak; this is
-the speed baseline only); with it, the model is compiled with ``fullgraph=True``.
+the speed baseline only); with it, Llama is compiled with ``fullgraph=True`` and Qwen3-Next runs
+its mixer per document (graph breaks around the layout read, see ``model_patches.document_mixers``).
 """
 
 from __future__ import annotations
@@ -29,22 +31,35 @@ def packed_llama_batch(rows: int = 4, length: int = 512, vocab: int = 1024, seed
     return {k: v[:rows] for k, v in batch.items()}
 
 
+#: Step-table models: (model_type, extra config). Qwen3-Next has one gated-delta-net layer
+#: (a stateful mixer, run per document under packing) and one attention layer.
+STEP_MODELS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"], head_dim=32, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+    ),
+}
+
+
 def setup(device: str = "cpu", packing: bool = True, backend: str = "inductor",
-          implementation: str = "sdpa") -> Callable[[], Any]:
+          implementation: str = "sdpa", model_type: str = "llama") -> Callable[[], Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from model_patches import enable_packing
 
     config = AutoConfig.for_model(
-        "llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024,
+        model_type, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024, **STEP_MODELS[model_type],
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation).to(device).train()
     batch = {k: v.to(device) for k, v in packed_llama_batch().items()}
     if packing:
         enable_packing(model=model)  # left on for the child process's lifetime
-    compiled = torch.compile(model, backend=backend, fullgraph=packing)
+    # per-document mixers read the document layout outside the graph: fullgraph only without them
+    compiled = torch.compile(model, backend=backend, fullgraph=packing and model_type == "llama")
 
     def step() -> None:
         out = compiled(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -62,26 +77,32 @@ def step_table(args: Any, command: str, tick: Callable[[str], None]) -> tuple[An
     from bench.measure import measure
     from bench.report import Table, ratio
 
-    results = {}
-    for packing in (False, True):
-        tick(f"packing compiled step, enable_packing={packing}")
-        results[packing] = measure(
-            "bench.packing_step:setup", {"packing": packing, "backend": args.packing_step_backend},
-            warmup=2, repeats=args.packing_step_repeats,
-        )
-    base = results[False]
-    rows = [
-        ["stock Transformers (documents leak)", base.ms, 1.0 if base.ms else None, base.error or ""],
-        ["enable_packing(model=...), fullgraph=True", results[True].ms, ratio(results[True].ms, base.ms), results[True].error or ""],
-    ]
+    rows, data = [], {}
+    for model_type in args.packing_step_models:
+        results = {}
+        for packing in (False, True):
+            tick(f"packing compiled step, {model_type}, enable_packing={packing}")
+            results[packing] = measure(
+                "bench.packing_step:setup",
+                {"packing": packing, "backend": args.packing_step_backend, "model_type": model_type},
+                warmup=2, repeats=args.packing_step_repeats,
+            )
+        base, packed = results[False], results[True]
+        how = "fullgraph=True" if model_type == "llama" else "mixers per document"
+        rows += [
+            [model_type, "stock Transformers (documents leak)", base.ms, 1.0 if base.ms else None, base.error or ""],
+            [model_type, f"enable_packing(model=...), {how}", packed.ms, ratio(packed.ms, base.ms), packed.error or ""],
+        ]
+        data[model_type] = {"stock_ms": base.ms, "packing_ms": packed.ms}
     table = Table(
         title=f"compiled training step (forward + backward), packed batch 4 x 512, torch.compile backend={args.packing_step_backend}",
-        columns=["variant", "step (ms)", "x stock", "error"], rows=rows, command=command,
+        columns=["model", "variant", "step (ms)", "x stock", "error"], rows=rows, command=command,
         baseline="stock Transformers on the same packed batch",
         notes=[
-            f"transformers {transformers.__version__}; Llama hidden 128, 2 layers, vocab 1024, sdpa, fp32; "
+            f"transformers {transformers.__version__}; hidden 128, 2 layers, vocab 1024, sdpa, fp32 (qwen3_next: "
+            "one gated-delta-net layer, one attention layer, 4 experts); "
             f"median of {args.packing_step_repeats} steps after 2 warm-up steps (compilation excluded), "
             "each variant in its own process",
         ],
     )
-    return table, {"stock_ms": base.ms, "packing_ms": results[True].ms}
+    return table, data
