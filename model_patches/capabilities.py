@@ -188,6 +188,9 @@ CAPABILITIES: tuple[Capability, ...] = (
             _mixer_family("lfm2", "Lfm2ShortConv"),
             _mixer_family("lfm3", "Lfm3ShortConv"),
             _mixer_family("mamba2", "Mamba2Mixer"),
+            _mixer_family("lfm2_moe", "Lfm2MoeShortConv"),
+            _mixer_family("kimi_linear", "KimiLinearDeltaAttention"),
+            _mixer_family("bailing_hybrid", "BailingHybridDeltaAttention"),
             _mixer_family("mamba", "MambaMixer", recurrent_mask=False),
             _mixer_family("falcon_mamba", "FalconMambaMixer", recurrent_mask=False),
         ),
@@ -246,12 +249,15 @@ def _runs_per_document(module: torch.nn.Module, assume_patched: bool) -> bool:
     return assume_patched and _class_target(module) in made_correct_targets()
 
 
-def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: bool = False) -> Optional[str]:
+def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: bool = False,
+                trusted: frozenset[str] = frozenset()) -> Optional[str]:
     """Name of the first submodule of ``model`` in which ``capability``'s detector fires, else None.
 
     A mixer that runs per document (a patched ``forward``) covers itself and its submodules; a
     container that fires only by name (``JambaMambaDecoderLayer``) is covered by such a mixer
-    inside it, while its other submodules are still checked.
+    inside it, while its other submodules are still checked. Classes defined in a ``trusted``
+    module (the model module of a family this capability is made correct in, whose every mixer
+    is in the record) are not checked by name: ``KimiLinearAttention`` is softmax attention.
     """
     if capability.detect is None:
         return None
@@ -260,7 +266,7 @@ def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: 
     for fqn, module in modules:
         inside = any(fqn == c or fqn.startswith(c + ".") for c in covered)
         holds = any(c.startswith(fqn + ".") or not fqn for c in covered)
-        if inside or holds:
+        if inside or holds or type(module).__module__ in trusted:
             continue
         if capability.detect(fqn, module):
             return fqn or type(module).__name__
@@ -284,7 +290,10 @@ def refusals_for_model(model: torch.nn.Module, assume_patched: bool = False) -> 
         if hit is not None:
             out.append((cap, f"model_type {hit.model_type!r}"))
             continue
-        where = detected_in(model, cap, assume_patched)
+        trusted = frozenset(
+            t.partition(":")[0] for c in present for t in cap.targets_for(c.model_type)
+        )  # every present config is covered here (else refused above)
+        where = detected_in(model, cap, assume_patched, trusted)
         if where is not None:
             out.append((cap, f"module {where!r}"))
     return out

@@ -53,15 +53,15 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
     "lfm2": dict(full_attn_idxs=[1]),
-    "lfm2_moe": dict(full_attn_idxs=[1]),
-    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                          linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
     "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                              linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
     "qwen4_exp_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
-    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"]),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
 }
 
 

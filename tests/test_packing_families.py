@@ -27,6 +27,7 @@ REPRESENTATIVE: dict[str, tuple[dict, str]] = {
     "bamba": ({}, "correct"),  # Mamba-2
     "qwen3_next": ({}, "correct"),  # gated delta net
     "lfm2": ({}, "correct"),  # short convolutions
+    "kimi_linear": ({}, "correct"),  # delta-attention mixer; its softmax attention class is named *LinearAttention
     "mamba": ({}, "correct"),  # no attention: the model hands its mixers the mask itself
     "rwkv": ({}, "refused"),  # time mixing with no per-document record
     "cpmant": ({}, "refused"),
