@@ -77,6 +77,17 @@ def backward_into(
     out.copy_(chunk_backward(logits_chunk, labels_chunk, lse, grad_rows, opts=opts))
 
 
+def accumulate_into(acc: torch.Tensor, partial: torch.Tensor, *, opts: ChunkOptions) -> None:
+    """``acc [r, H] fp32 += partial [r, H]`` (low precision) in one pass; ``opts`` is unused
+    (the weight-gradient fold depends on no loss option)."""
+    acc.add_(partial.to(acc.dtype))
+
+
+def copy_into(acc: torch.Tensor, partial: torch.Tensor, *, opts: ChunkOptions) -> None:
+    """``acc [r, H] fp32 = partial [r, H]`` (low precision) in one pass; ``opts`` is unused."""
+    acc.copy_(partial)
+
+
 def _in_dispatch_mode() -> bool:
     """A Python dispatch mode is active (FlopCounterMode, a selective-checkpoint policy, a memory
     trace...): dynamo does not compile under one, so the chunk maths runs eagerly there."""

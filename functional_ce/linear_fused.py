@@ -83,7 +83,7 @@ def _linear_ce_fused_impl(
     rows = ValidRows.of(labels, ignore_index)
     h, y, c = rows.take(hidden), rows.take(labels), rows.take(coef)
     loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
-    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias)
+    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias, compile_chunks)
     for start in range(0, h.shape[0], chunk_size):
         stop = min(start + chunk_size, h.shape[0])
         h_c = h[start:stop]

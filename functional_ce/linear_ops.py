@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from .compiled import run_chunk
+from .compiled import accumulate_into, copy_into, run_chunk
 from .double_backward import refuse_double_backward
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
 from .options import ChunkOptions
@@ -27,6 +27,8 @@ from .options import ChunkOptions
 _LIB = "functional_ce"
 #: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
 _PARTIAL_BYTES = 32 * 1024 * 1024
+#: The options key of the weight-gradient folds (they depend on no loss option).
+_NO_OPTIONS = ChunkOptions()
 #: Positions of the row-indexed tensors among the chunk functions' arguments: hidden and labels
 #: in forward, plus lse and grad_rows in backward.
 _FORWARD_ROWS = (0, 3)
@@ -101,24 +103,29 @@ class ValidRows:
         return full.index_copy_(0, self.index, t)
 
 
-def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor) -> None:
-    """``acc [V, H] fp32 += grad_logits.T @ hidden_c``.
+def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor, *,
+                    first: bool = False, compile_chunks: Optional[bool] = None) -> None:
+    """``acc [V, H] fp32 += grad_logits.T @ hidden_c`` (``first``: ``=`` instead of ``+=``, so
+    ``acc`` may start uninitialised).
 
     fp32 inputs accumulate straight into ``acc``; low-precision ones (no mixed-dtype matmul into
     an fp32 output on every backend) go through one low-precision partial, sliced over V so it
-    stays under ``_PARTIAL_BYTES``, added in place.
+    stays under ``_PARTIAL_BYTES``, folded into ``acc`` by a compiled one-pass kernel (eager
+    ``add_`` of a bf16 tensor into an fp32 one converts through a temporary first, several times
+    slower on CPU; see :func:`functional_ce.compiled.accumulate_into`).
     """
     if grad_logits.dtype == torch.float32:
-        acc.addmm_(grad_logits.t(), hidden_c)
+        acc.addmm_(grad_logits.t(), hidden_c, beta=0 if first else 1)  # beta=0 ignores acc, NaN included
         return
     v, h = acc.shape
     step = max(1, min(v, _PARTIAL_BYTES // max(1, h * grad_logits.element_size())))
     partial = torch.empty((step, h), dtype=grad_logits.dtype, device=acc.device)
+    fold = copy_into if first else accumulate_into
     for v0 in range(0, v, step):
         v1 = min(v0 + step, v)
         out = partial[: v1 - v0]
         torch.mm(grad_logits[:, v0:v1].t(), hidden_c, out=out)
-        acc[v0:v1].add_(out)
+        run_chunk(fold, compile_chunks, acc[v0:v1], out, row_args=(0, 1), opts=_NO_OPTIONS)
 
 
 class LinearGrads:
@@ -129,25 +136,32 @@ class LinearGrads:
     """
 
     def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 need_hidden: bool, need_weight: bool, need_bias: bool) -> None:
+                 need_hidden: bool, need_weight: bool, need_bias: bool,
+                 compile_chunks: Optional[bool] = None) -> None:
         dev = h.device
         self.weight, self.bias = weight, bias
         self.grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else h.new_empty(0)
         self.need_hidden = need_hidden
-        self.acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+        # written by the first chunk (no zero-fill pass); zeros if no chunk comes (every row ignored)
+        self.acc_w = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
         self.acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+        self.compile_chunks = compile_chunks
+        self.chunks = 0
 
     def add(self, start: int, h_c: torch.Tensor, grad_h_c: torch.Tensor, grad_logits: torch.Tensor) -> None:
         """Fold one chunk in: ``grad_h_c [c, H]`` are rows ``start:start+c``; ``grad_logits [c, V]``."""
         if self.need_hidden:
             self.grad_h[start:start + h_c.shape[0]] = grad_h_c
         if self.acc_w is not None:
-            add_weight_grad(self.acc_w, grad_logits, h_c)
+            add_weight_grad(self.acc_w, grad_logits, h_c, first=self.chunks == 0, compile_chunks=self.compile_chunks)
         if self.acc_b is not None:
             self.acc_b += grad_logits.sum(dim=0, dtype=torch.float32)
+        self.chunks += 1
 
     def finish(self, rows: "ValidRows") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])``, ignored rows back as zeros."""
+        if self.acc_w is not None and self.chunks == 0:
+            self.acc_w.zero_()
         grad_w = self.acc_w.to(self.weight.dtype) if self.acc_w is not None else self.weight.new_empty(0)
         self.acc_w = None
         has_b = self.acc_b is not None and self.bias is not None
@@ -183,7 +197,7 @@ def _linear_ce_backward_impl(
     opts = ChunkOptions(ignore_index, label_smoothing, z_loss, softcap, vocab_start, n_classes)
     rows = ValidRows.of(labels, ignore_index)
     h, y, lse, grad_rows = (rows.take(t) for t in (hidden, labels, lse, grad_rows))
-    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias)
+    grads = LinearGrads(h, weight, bias, need_hidden, need_weight, need_bias, compile_chunks)
     for start in range(0, h.shape[0], chunk_size):
         stop = min(start + chunk_size, h.shape[0])
         h_c = h[start:stop]
