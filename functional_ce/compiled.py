@@ -83,9 +83,11 @@ def accumulate_into(acc: torch.Tensor, partial: torch.Tensor, *, opts: ChunkOpti
     acc.add_(partial.to(acc.dtype))
 
 
-def copy_into(acc: torch.Tensor, partial: torch.Tensor, *, opts: ChunkOptions) -> None:
-    """``acc [r, H] fp32 = partial [r, H]`` (low precision) in one pass; ``opts`` is unused."""
-    acc.copy_(partial)
+def copy_into(out: torch.Tensor, src: torch.Tensor, *, opts: ChunkOptions) -> None:
+    """``out [r, H] = src [r, H]`` converted to ``out``'s dtype in one pass (a low-precision
+    partial into the fp32 accumulator, or the accumulator into the returned gradient); ``opts``
+    is unused."""
+    out.copy_(src)
 
 
 def _in_dispatch_mode() -> bool:

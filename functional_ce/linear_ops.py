@@ -162,7 +162,11 @@ class LinearGrads:
         """``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])``, ignored rows back as zeros."""
         if self.acc_w is not None and self.chunks == 0:
             self.acc_w.zero_()
-        grad_w = self.acc_w.to(self.weight.dtype) if self.acc_w is not None else self.weight.new_empty(0)
+        grad_w = self.weight.new_empty(0) if self.acc_w is None else self.acc_w
+        if self.acc_w is not None and self.acc_w.dtype != self.weight.dtype:
+            # the final cast in one compiled pass too (eager .to() is slower on CPU)
+            grad_w = torch.empty(self.acc_w.shape, dtype=self.weight.dtype, device=self.acc_w.device)
+            run_chunk(copy_into, self.compile_chunks, grad_w, self.acc_w, row_args=(0, 1), opts=_NO_OPTIONS)
         self.acc_w = None
         has_b = self.acc_b is not None and self.bias is not None
         grad_b = self.acc_b.to(self.bias.dtype) if has_b else self.weight.new_empty(0)
