@@ -242,11 +242,12 @@ def _class_target(module: torch.nn.Module) -> str:
     return f"{type(module).__module__}:{type(module).__qualname__}.forward"
 
 
-def _runs_per_document(module: torch.nn.Module, assume_patched: bool) -> bool:
-    """``module``'s forward is (or, with ``assume_patched``, is about to be) a per-document mixer."""
+def _runs_per_document(module: torch.nn.Module, about_to_be_patched: frozenset[str]) -> bool:
+    """``module``'s forward is a per-document mixer, or about to be one (its target is in
+    ``about_to_be_patched``)."""
     if getattr(type(module).forward, "_packing_per_document", False) and is_applied(_class_target(module)):
         return True
-    return assume_patched and _class_target(module) in made_correct_targets()
+    return _class_target(module) in about_to_be_patched
 
 
 def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: bool = False,
@@ -262,7 +263,8 @@ def detected_in(model: torch.nn.Module, capability: Capability, assume_patched: 
     if capability.detect is None:
         return None
     modules = list(model.named_modules())
-    covered = [fqn for fqn, module in modules if _runs_per_document(module, assume_patched)]
+    about_to_be_patched = frozenset(made_correct_targets()) if assume_patched else frozenset()
+    covered = [fqn for fqn, module in modules if _runs_per_document(module, about_to_be_patched)]
     for fqn, module in modules:
         inside = any(fqn == c or fqn.startswith(c + ".") for c in covered)
         holds = any(c.startswith(fqn + ".") or not fqn for c in covered)

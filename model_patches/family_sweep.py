@@ -37,6 +37,12 @@ _OVERRIDES: dict[str, Any] = dict(
 )
 _MAX_PARAMS = 8_000_000
 
+#: One gated-delta-net layer, then one attention layer, with small linear-attention heads.
+_GATED_DELTA_NET: dict[str, Any] = dict(
+    layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+)
+
 #: Hybrid families default to layer patterns whose first two layers hold no attention at all;
 #: give the tiny model one mixer layer and one attention layer, and small state sizes.
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -50,17 +56,13 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                        mamba_head_dim=32, n_groups=1),
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16),
-    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_next": _GATED_DELTA_NET,
     "lfm2": dict(full_attn_idxs=[1]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
     "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
-    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
-    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
-    "qwen4_exp_text": dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                           linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_text": _GATED_DELTA_NET,
+    "qwen3_5_moe_text": _GATED_DELTA_NET,
+    "qwen4_exp_text": _GATED_DELTA_NET,
     "kimi_linear": dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4),
 }
 

@@ -5,8 +5,9 @@
 - ``create_recurrent_attention_mask`` (releases that have it): Mamba / linear-attention / conv
   layers would scale tokens by their document id and carry state across documents; families
   whose mixers run per document get the document ids instead (:func:`build_recurrent_mask`).
-- ``*ForCausalLM.forward`` of refused families whose masks never pass through masking_utils
-  (indexed masks and packed ``position_ids``, which those families ignore or misread).
+- ``*ForCausalLM.forward`` of families whose masks never pass through masking_utils: refused
+  ones refuse indexed masks and packed ``position_ids`` (which they ignore or misread); made
+  correct ones (Mamba) refuse only packed ``position_ids`` the mask does not separate.
 - the builders' own checks: families with a refused capability (ALiBi, stateful mixers), and
   absolute position embeddings fed row positions (see :mod:`model_patches.capabilities`).
 
@@ -191,16 +192,16 @@ def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
                     return original(*args, **kwargs)
                 base = mask[:, -length:] if mask is not None else torch.ones(embeds.shape[:2], device=embeds.device)
                 ids = base.long()
-                restarts = (positions[:, 1:] != positions[:, :-1] + 1) & (ids[:, 1:] != 0) & (ids[:, :-1] != 0)
+                restart = position_restarts(positions, ids)
                 if torch.compiler.is_compiling() or ids.device.type != "cpu":
-                    refuse_if(restarts.any(), (
+                    refuse_if(restart, (
                         f"{_family(target, config)}: packed position_ids without an indexed attention "
                         "mask reach a recurrent mixer inside a compiled region (or off the CPU), where "
                         "the documents cannot be told apart without a host read. Fix: pass the "
                         "collator's indexed attention_mask (PackingCollator returns it)"
                     ))
                     return original(*args, **kwargs)
-                if not bool(restarts.any()):
+                if not bool(restart):
                     return original(*args, **kwargs)
             if positions is not None:
                 ids = split_at_position_resets(ids, positions.to(ids.device))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -103,17 +103,18 @@ def _made(record: PatchRecord) -> PatchRecord:
     return record
 
 
+def _model_module_record(target: str, name: str, probe: Callable, build: Callable, doc: str) -> PatchRecord:
+    """A record on a model module's attribute, for every release with masking_utils (4.53+)."""
+    return _made(PatchRecord(name=name, target=target, versions=">=4.53", probe=probe, build=build,
+                             epoch="4.53+", doc=doc))
+
+
 @functools.lru_cache(maxsize=None)
 def _aux_loss_record(module: str) -> PatchRecord:
-    return _made(PatchRecord(
-        name=f"{module.rsplit('.', 1)[-1]}.{AUX_LOSS_NAME} (each real token counts once)",
-        target=f"{module}:{AUX_LOSS_NAME}",
-        versions=">=4.53",
-        probe=aux_loss_probe,
-        build=build_aux_loss,
-        epoch="4.53+",
-        doc="MoE load-balancing loss: an indexed mask becomes a 0/1 validity mask",
-    ))
+    return _model_module_record(
+        f"{module}:{AUX_LOSS_NAME}", f"{module.rsplit('.', 1)[-1]}.{AUX_LOSS_NAME} (each real token counts once)",
+        aux_loss_probe, build_aux_loss, "MoE load-balancing loss: an indexed mask becomes a 0/1 validity mask",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,15 +167,12 @@ def _recurrent_records() -> list[PatchRecord]:
 
 @functools.lru_cache(maxsize=None)
 def _recurrent_record(module: str) -> PatchRecord:
-    return _made(PatchRecord(
-        name=f"{module.rsplit('.', 1)[-1]}.{_RECURRENT} (document ids for per-document mixers, else refuse indexed masks)",
-        target=f"{module}:{_RECURRENT}",
-        versions=">=4.53",
-        probe=recurrent_probe,
-        build=build_recurrent_mask(f"{module}:{_RECURRENT}"),
-        epoch="4.53+",
-        doc="Mamba / linear-attention / conv layers would scale tokens by document id and carry state",
-    ))
+    target = f"{module}:{_RECURRENT}"
+    return _model_module_record(
+        target, f"{module.rsplit('.', 1)[-1]}.{_RECURRENT} (document ids for per-document mixers, else refuse indexed masks)",
+        recurrent_probe, build_recurrent_mask(target),
+        "Mamba / linear-attention / conv layers would scale tokens by document id and carry state",
+    )
 
 
 def _made_correct_records() -> list[PatchRecord]:
@@ -198,29 +196,18 @@ def _made_correct_records() -> list[PatchRecord]:
 
 @functools.lru_cache(maxsize=None)
 def _alibi_record(module: str) -> PatchRecord:
-    return _made(PatchRecord(
-        name=f"{module.rsplit('.', 1)[-1]}.{ALIBI_NAME} (ALiBi from per-document positions)",
-        target=f"{module}:{ALIBI_NAME}",
-        versions=">=4.53",
-        probe=alibi_probe,
-        build=build_alibi,
-        epoch="4.53+",
-        doc="every key positioned inside its own document, as when that document runs alone",
-    ))
+    return _model_module_record(
+        f"{module}:{ALIBI_NAME}", f"{module.rsplit('.', 1)[-1]}.{ALIBI_NAME} (ALiBi from per-document positions)",
+        alibi_probe, build_alibi, "every key positioned inside its own document, as when that document runs alone",
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _mixer_record(target: str) -> PatchRecord:
-    module, _, attr = target.partition(":")
-    return _made(PatchRecord(
-        name=f"{attr} (stateful mixer run per document)",
-        target=target,
-        versions=">=4.53",
-        probe=mixer_probe,
-        build=build_mixer,
-        epoch="4.53+",
-        doc="each document of a packed row runs from a fresh state (length-grouped segments)",
-    ))
+    return _model_module_record(
+        target, f"{target.partition(':')[2]} (stateful mixer run per document)", mixer_probe, build_mixer,
+        "each document of a packed row runs from a fresh state (length-grouped segments)",
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -378,13 +365,14 @@ def check_model(model: torch.nn.Module) -> None:
     _refuse_capabilities(model)
     modules = _model_modules(model)
     bad, covered = [], []
+    made_correct = _made_correct_modules(model)
     for name in modules:
         namespace = vars(sys.modules[name])
         builders = [namespace[n] for n in _BUILDERS if n in namespace]
         if builders:
             live = all(callable(getattr(b, "_packing_live", None)) and b._packing_live() for b in builders)
             (covered if live else bad).append(name)
-        elif name in _made_correct_modules(model):  # no attention masks at all: Mamba's mixers
+        elif name in made_correct:  # no attention masks at all: Mamba's mixers
             covered.append(name)
     if not covered:  # a model with no masking_utils builders at all builds masks its own way
         bad = bad or modules or [type(model).__module__]
