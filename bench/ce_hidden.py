@@ -8,7 +8,11 @@ side in one run):
   - ``torch F.linear_cross_entropy``: with ``options=torch.nn.LinearCrossEntropyOptions()``
     (torch's chunked path), where this torch has it;
   - ``cut-cross-entropy torch_compile``: Apple's ``linear_cross_entropy(..., impl="torch_compile")``,
-    where the package is installed and importable (an optional peer, never a dependency);
+    where the package is installed and importable (an optional peer, never a dependency), and on
+    CUDA its own fused kernel (``impl="cce"``, the package's default there);
+  - ``liger fused linear CE (CUDA)``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, where
+    installed: as shipped (weight gradient accumulated in the weight's dtype) and with
+    ``accum_dtype=torch.float32`` (fp32 accumulation, as functional_ce always does);
   - ``functional_ce.linear_cross_entropy``, the default (gradients computed in forward) and with
     ``recompute_logits_in_backward=True``.
 
@@ -70,11 +74,12 @@ def setup_torch_lce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any
     return _step(hidden, weight, lambda: torch.nn.functional.linear_cross_entropy(hidden, weight, labels, options=opts))
 
 
-def setup_cce(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+def setup_cce(*, n: int, h: int, v: int, dtype: str, device: str, impl: str = "torch_compile",
+              **_: Any) -> Callable[[], None]:
     from cut_cross_entropy import linear_cross_entropy
 
     hidden, weight, labels = _inputs(n, h, v, dtype, device)
-    return _step(hidden, weight, lambda: linear_cross_entropy(hidden, weight, labels, impl="torch_compile"))
+    return _step(hidden, weight, lambda: linear_cross_entropy(hidden, weight, labels, impl=impl))
 
 
 def setup_ours(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: Any = "auto",
@@ -86,11 +91,14 @@ def setup_ours(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: A
         hidden, weight, labels, chunk_size=chunk_size, recompute_logits_in_backward=recompute))
 
 
-def setup_liger(*, n: int, h: int, v: int, dtype: str, device: str, **_: Any) -> Callable[[], None]:
+def setup_liger(*, n: int, h: int, v: int, dtype: str, device: str, fp32_accumulation: bool = False,
+                **_: Any) -> Callable[[], None]:
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     hidden, weight, labels = _inputs(n, h, v, dtype, device)
-    fn = LigerFusedLinearCrossEntropyLoss()
+    # Liger accumulates the weight gradient in the weight's dtype unless accum_dtype is given
+    fn = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32) if fp32_accumulation else \
+        LigerFusedLinearCrossEntropyLoss()
     return _step(hidden, weight, lambda: fn(weight, hidden, labels))
 
 
@@ -117,13 +125,20 @@ def _cce_available(device: str) -> Optional[str]:
     return None
 
 
+def _cce_kernel_available(device: str) -> Optional[str]:
+    return _cce_available(device) or (None if device.startswith("cuda") else "CUDA only")
+
+
 COMPILED = "the same under torch.compile"
 VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] = {
     BASELINE: ("bench.ce_hidden:setup_eager", {}, lambda d: None),
     COMPILED: ("bench.ce_hidden:setup_eager", {"compiled": True}, lambda d: None),
     "torch F.linear_cross_entropy (options)": ("bench.ce_hidden:setup_torch_lce", {}, _torch_lce_available),
     "cut-cross-entropy torch_compile": ("bench.ce_hidden:setup_cce", {}, _cce_available),
+    "cut-cross-entropy cce kernel (CUDA)": ("bench.ce_hidden:setup_cce", {"impl": "cce"}, _cce_kernel_available),
     "liger fused linear CE (CUDA)": ("bench.ce_hidden:setup_liger", {}, _liger_available),
+    "liger accum_dtype=float32 (CUDA)": ("bench.ce_hidden:setup_liger", {"fp32_accumulation": True},
+                                          _liger_available),
     "functional_ce.linear_cross_entropy": ("bench.ce_hidden:setup_ours", {}, lambda d: None),
     "functional_ce (recompute_logits_in_backward=True)": (
         "bench.ce_hidden:setup_ours", {"recompute": True}, lambda d: None),
@@ -273,12 +288,15 @@ def _hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Ta
 
 #: Profiler event names that are matrix multiplications (aten ops and oneDNN / cuBLAS kernels).
 _MATMUL_MARKERS = ("mm", "matmul", "linear", "gemm", "brgemm")
+#: GPU kernel names that are matrix multiplications (cuBLAS / cuBLASLt / CUTLASS kernels).
+_GPU_MATMUL_MARKERS = ("gemm", "nvjet", "xmma", "cutlass", "cublas")
 
 
 def profile_step(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size: Any = "auto",
-                 **_: Any) -> dict[str, float]:
+                 **_: Any) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """Self time (ms) of one warm forward + backward of ``functional_ce.linear_cross_entropy``,
-    split into matmuls and everything else (compiled chunk graphs, copies, reductions)."""
+    split into matmuls and everything else (compiled chunk graphs, copies, reductions), and the
+    ten largest events ``(name, ms)``."""
     from torch.profiler import ProfilerActivity, profile
 
     step = setup_ours(n=n, h=h, v=v, dtype=dtype, device=device, chunk_size=chunk_size)
@@ -290,19 +308,29 @@ def profile_step(*, n: int, h: int, v: int, dtype: str, device: str, chunk_size:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
     split = {"matmul": 0.0, "other": 0.0}
-    attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    cuda = device.startswith("cuda")
+    events = []
     for event in prof.key_averages():
         name = event.key.lower()
-        part = "matmul" if any(m in name for m in _MATMUL_MARKERS) else "other"
-        split[part] += getattr(event, attr) / 1e3
-    return split
+        if cuda:
+            # device kernels only (an aten op's self device time repeats its kernels' time)
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            part = "matmul" if any(m in name for m in _GPU_MATMUL_MARKERS) else "other"
+            ms = event.self_device_time_total / 1e3
+        else:
+            part = "matmul" if any(m in name for m in _MATMUL_MARKERS) else "other"
+            ms = event.self_cpu_time_total / 1e3
+        split[part] += ms
+        events.append((event.key[:120], ms))
+    return split, sorted(events, key=lambda e: -e[1])[:10]
 
 
 def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
     n, h, v = (int(x) for x in args.lce_shape.split(","))
     tick(f"lce profile N={n}")
-    split = profile_step(n=n, h=h, v=v, dtype=args.lce_dtype, device=args.device,
-                         chunk_size=_chunk(args.lce_chunk_size))
+    split, top = profile_step(n=n, h=h, v=v, dtype=args.lce_dtype, device=args.device,
+                              chunk_size=_chunk(args.lce_chunk_size))
     total = sum(split.values()) or 1.0
     matmul_flop = 3 * 2 * n * h * v
     rows = [[part, ms, ms / total, (matmul_flop / (ms / 1e3) / 1e12) if part == "matmul" and ms else None]
@@ -314,9 +342,10 @@ def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tup
         command="python -m bench --only lce --lce-profile " + " ".join(shlex.quote(a) for a in [
             "--lce-shape", args.lce_shape, "--lce-dtype", args.lce_dtype, "--device", args.device]),
         notes=["torch.profiler self time of one warm step in this process; matmul = events whose name holds "
-               "mm/matmul/linear/gemm (3 N H V multiply-adds: logits, hidden and weight gradients)"],
+               "mm/matmul/linear/gemm, on CUDA device kernels named gemm/nvjet/xmma/cutlass/cublas (3 N H V "
+               "multiply-adds: logits, hidden and weight gradients)"],
     )
-    return table, {"profile_ms": split}
+    return table, {"profile_ms": split, "profile_top_events_ms": top}
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:

@@ -14,9 +14,24 @@ from .shell import Count, check_compile_chunks, plan_loss, reduce_rows, row_coef
 #: cap: chunks of ``LINEAR_AUTO_CHUNK_ROWS`` token rows, the size from which the chunk's three
 #: ``[rows, H] x [H, V]``-sized matmuls run at the machine's full rate (see bench/RESULTS.md,
 #: ``lce`` section), and fewer rows only where one fp32 ``[rows, V]`` chunk would pass
-#: ``LINEAR_AUTO_CHUNK_BYTES`` (large vocabularies).
+#: ``LINEAR_AUTO_CHUNK_BYTES`` (large vocabularies). These are the CPU values.
 LINEAR_AUTO_CHUNK_ROWS = 512
 LINEAR_AUTO_CHUNK_BYTES = 64 * 1024 * 1024
+#: The same on CUDA, where two costs grow as chunks shrink: each chunk adds its weight-gradient
+#: partial into the ``[V, H]`` fp32 accumulator (8 bytes of memory traffic per weight element,
+#: hidden behind the matmul only when the chunk has about ``4 x FLOP/s / (bytes/s)`` rows: about
+#: 700 on an H100/H200), and a GPU needs large matmuls to fill its multiprocessors. The row
+#: count is the knee of the chunk sweep in bench/RESULTS.md (``lce``, GPU); the byte cap keeps one
+#: fp32 chunk at most 1 GiB (2048 rows of a 128K vocabulary).
+LINEAR_AUTO_CHUNK_ROWS_CUDA = 2048
+LINEAR_AUTO_CHUNK_BYTES_CUDA = 1024 * 1024 * 1024
+
+
+def linear_auto_chunk(device: torch.device) -> tuple[int, int]:
+    """``(rows, fp32 chunk byte cap)`` of ``chunk_size="auto"`` on ``device``."""
+    if device.type == "cuda":
+        return LINEAR_AUTO_CHUNK_ROWS_CUDA, LINEAR_AUTO_CHUNK_BYTES_CUDA
+    return LINEAR_AUTO_CHUNK_ROWS, LINEAR_AUTO_CHUNK_BYTES
 
 
 def _check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
@@ -106,7 +121,8 @@ def linear_cross_entropy(
             as in :func:`functional_ce.cross_entropy`.
         chunk_size: token rows per chunk. ``"auto"`` takes ``LINEAR_AUTO_CHUNK_ROWS`` rows (where
             the matmuls reach full rate), fewer where one fp32 ``[c, V]`` chunk would pass
-            ``LINEAR_AUTO_CHUNK_BYTES``; ``None`` is one chunk; an int is rows per chunk.
+            ``LINEAR_AUTO_CHUNK_BYTES`` (on CUDA: the ``*_CUDA`` values, see
+            :func:`linear_auto_chunk`); ``None`` is one chunk; an int is rows per chunk.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
             environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
             only if the compiler itself fails, with a warning naming the cause.
@@ -148,6 +164,7 @@ def linear_cross_entropy(
     check_compile_chunks(compile_chunks)
     if not isinstance(recompute_logits_in_backward, bool):
         raise TypeError(f"recompute_logits_in_backward must be a bool, got {recompute_logits_in_backward!r}")
+    auto_rows, auto_bytes = linear_auto_chunk(hidden.device)
     if is_dtensor(hidden):
         from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
@@ -155,7 +172,7 @@ def linear_cross_entropy(
             hidden, weight, labels, bias=bias, ignore_index=ignore_index, mask=mask, weights=weights,
             reduction=reduction, num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, chunk_size=chunk_size, compile_chunks=compile_chunks,
-            auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
+            auto_chunk_bytes=auto_bytes, auto_chunk_rows=auto_rows,
         )
     if is_dtensor(weight) or is_dtensor(bias):  # FSDP2: sharded parameters, plain activations
         from .sharded_weight import gathered_parameter
@@ -167,7 +184,7 @@ def linear_cross_entropy(
         labels, batch_shape=hidden.shape[:-1], n_classes=n_classes, device=hidden.device, what="hidden",
         ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
         num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-        chunk_size=chunk_size, auto_chunk_bytes=LINEAR_AUTO_CHUNK_BYTES, auto_chunk_rows=LINEAR_AUTO_CHUNK_ROWS,
+        chunk_size=chunk_size, auto_chunk_bytes=auto_bytes, auto_chunk_rows=auto_rows,
     )
     hidden2d = hidden.reshape(-1, width)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)

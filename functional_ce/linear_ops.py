@@ -15,6 +15,7 @@ recompilation when the token count or chunk count changes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,8 @@ from .compiled import accumulate_into, copy_into, run_chunk
 from .double_backward import refuse_double_backward
 from .linear_chunk import linear_chunk_backward, linear_chunk_forward
 from .options import ChunkOptions
+
+logger = logging.getLogger(__name__)
 
 _LIB = "functional_ce"
 #: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
@@ -103,19 +106,54 @@ class ValidRows:
         return full.index_copy_(0, self.index, t)
 
 
+#: ``(device type, dtype)`` -> whether the backend multiplies two matrices of that dtype into an
+#: fp32 output in one matmul (``aten::addmm.dtype_out``: CUDA in recent torch releases).
+_FP32_OUT_MATMUL: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def fp32_out_matmul_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``aten::addmm.dtype_out`` / ``aten::mm.dtype_out`` multiply ``dtype`` matrices into
+    an fp32 ``out`` on ``device``'s backend, correctly (checked once per backend and dtype on a
+    small case: ``+=`` into an fp32 ``out``, and ``=`` over an ``out`` full of NaN)."""
+    key = (device.type, dtype)
+    if key not in _FP32_OUT_MATMUL:
+        ok = False
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            a64, b64 = torch.randn(24, 16, generator=g, dtype=torch.float64), torch.randn(16, 8, generator=g,
+                                                                                       dtype=torch.float64)
+            a, b = a64.to(device=device, dtype=dtype), b64.to(device=device, dtype=dtype)
+            ref = a.double().cpu() @ b.double().cpu()
+            out = torch.full((24, 8), float("nan"), dtype=torch.float32, device=device)
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=out)
+            torch.ops.aten.addmm.dtype_out(out, a, b, torch.float32, out=out)
+            ok = bool(torch.allclose(out.double().cpu(), 2 * ref, rtol=1e-5, atol=1e-5))
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            logger.debug("no fp32-output %s matmul on %s: %s", dtype, device.type, exc)
+        _FP32_OUT_MATMUL[key] = ok
+    return _FP32_OUT_MATMUL[key]
+
+
 def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor, *,
                     first: bool = False, compile_chunks: Optional[bool] = None) -> None:
     """``acc [V, H] fp32 += grad_logits.T @ hidden_c`` (``first``: ``=`` instead of ``+=``, so
     ``acc`` may start uninitialised).
 
-    fp32 inputs accumulate straight into ``acc``; low-precision ones (no mixed-dtype matmul into
-    an fp32 output on every backend) go through one low-precision partial, sliced over V so it
-    stays under ``_PARTIAL_BYTES``, folded into ``acc`` by a compiled one-pass kernel (eager
-    ``add_`` of a bf16 tensor into an fp32 one converts through a temporary first, several times
-    slower on CPU; see :func:`functional_ce.compiled.accumulate_into`).
+    fp32 inputs accumulate straight into ``acc``. Low-precision ones do too where the backend has
+    a matmul with an fp32 output (:func:`fp32_out_matmul_supported`: cuBLAS adds into ``acc`` in
+    the matmul's own epilogue). Elsewhere (CPU) they go through one low-precision partial, sliced
+    over V so it stays under ``_PARTIAL_BYTES``, folded into ``acc`` by a compiled one-pass kernel
+    (eager ``add_`` of a bf16 tensor into an fp32 one converts through a temporary first, several
+    times slower on CPU; see :func:`functional_ce.compiled.accumulate_into`).
     """
     if grad_logits.dtype == torch.float32:
         acc.addmm_(grad_logits.t(), hidden_c, beta=0 if first else 1)  # beta=0 ignores acc, NaN included
+        return
+    if fp32_out_matmul_supported(acc.device, grad_logits.dtype):
+        if first:
+            torch.ops.aten.mm.dtype_out(grad_logits.t(), hidden_c, torch.float32, out=acc)
+        else:
+            torch.ops.aten.addmm.dtype_out(acc, grad_logits.t(), hidden_c, torch.float32, out=acc)
         return
     v, h = acc.shape
     step = max(1, min(v, _PARTIAL_BYTES // max(1, h * grad_logits.element_size())))

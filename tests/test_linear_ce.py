@@ -211,14 +211,30 @@ def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dt
         torch.testing.assert_close(g, w.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("v", [50, 32768, 128256, 1_000_000])
-def test_auto_chunks_aim_for_efficient_rows_within_the_memory_cap(v):
-    from functional_ce.linear_loss import LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS
+def test_auto_chunks_aim_for_efficient_rows_within_the_memory_cap(v, device):
+    from functional_ce.linear_loss import linear_auto_chunk
     from functional_ce.options import resolve_chunk_size
 
-    rows = resolve_chunk_size("auto", 100_000, v * 4, LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS)
-    assert 1 <= rows <= LINEAR_AUTO_CHUNK_ROWS
-    assert rows * v * 4 <= LINEAR_AUTO_CHUNK_BYTES or rows == 1, "one fp32 chunk stays within the cap"
-    if LINEAR_AUTO_CHUNK_ROWS * v * 4 <= LINEAR_AUTO_CHUNK_BYTES:
-        assert rows == LINEAR_AUTO_CHUNK_ROWS, "small vocabularies get the efficient row count"
-    assert resolve_chunk_size("auto", 7, v * 4, LINEAR_AUTO_CHUNK_BYTES, LINEAR_AUTO_CHUNK_ROWS) == min(7, rows)
+    auto_rows, auto_bytes = linear_auto_chunk(torch.device(device))
+    rows = resolve_chunk_size("auto", 100_000, v * 4, auto_bytes, auto_rows)
+    assert 1 <= rows <= auto_rows
+    assert rows * v * 4 <= auto_bytes or rows == 1, "one fp32 chunk stays within the cap"
+    if auto_rows * v * 4 <= auto_bytes:
+        assert rows == auto_rows, "small vocabularies get the efficient row count"
+    assert resolve_chunk_size("auto", 7, v * 4, auto_bytes, auto_rows) == min(7, rows)
+
+
+def test_auto_chunks_on_cuda_are_larger_than_on_cpu():
+    """The CUDA rule (bench/RESULTS.md, GPU chunk sweep): 2048 rows of a 128K vocabulary, where
+    the CPU rule takes 128 (64 MiB of fp32)."""
+    from functional_ce.linear_loss import linear_auto_chunk
+    from functional_ce.options import resolve_chunk_size
+
+    def rows(device):
+        auto_rows, auto_bytes = linear_auto_chunk(torch.device(device))
+        return resolve_chunk_size("auto", 100_000, 128256 * 4, auto_bytes, auto_rows)
+
+    assert rows("cuda") == 2048
+    assert rows("cpu") == 128
