@@ -116,6 +116,9 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     _, loss_rows, grad_h, grad_w, grad_b = output
     ctx.needs = (need_hidden, need_weight, need_bias)
     ctx.mark_non_differentiable(loss_rows, grad_h, grad_w, grad_b)
+    # no zero-filled [N, H] / [V, H] tensors for the outputs that get no gradient (a pass over
+    # each, and their memory, in every backward); _backward takes a missing loss gradient as None
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(loss_rows, grad_h, grad_w, grad_b, hidden, weight, bias)
 
 

@@ -127,3 +127,16 @@ def test_peak_memory_stays_far_below_one_logits_tensor(path):
     assert fwd <= grads + 6 * fp32_chunk, f"forward peaked {fwd / 2**20:.1f} MiB"
     assert bwd <= grads + 8 * fp32_chunk, f"backward peaked {bwd / 2**20:.1f} MiB"
     assert max(fwd, bwd) < logits_bf16 / 2
+
+
+def test_backward_of_the_default_path_allocates_only_the_scaled_gradients():
+    """Backward scales the kept gradients by the upstream gradient: one new tensor per input,
+    in the input's shape and dtype, and nothing else of vocabulary or token size (no
+    zero-filled gradients for the operator's non-differentiable outputs)."""
+    hidden, weight, bias, labels = _inputs()
+    loss = functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK,
+                                              compile_chunks=False)
+    with AllocationTrace() as bwd:
+        (2.0 * loss).backward()
+    big = sorted(((r[1], r[2]) for r in bwd.records if _numel(r[1]) >= min(N, V)), key=str)
+    assert big == sorted([((N, H), hidden.dtype), ((V, H), weight.dtype), ((V,), bias.dtype)], key=str), big
