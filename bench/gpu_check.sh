@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check: CUDA-only tests and the GPU benchmarks, every figure written to $1.
 # Usage: bash bench/gpu_check.sh OUT_DIR   (about 9 minutes on one H200, after install)
-# Peers (Liger-Kernel, cut-cross-entropy) are measured where importable. Seven files land in
-# OUT_DIR: log.txt (everything printed), lce.json, lce_chunks_{512,1024,4096}.json, cuda_tests.txt
-# and ce.json.
+# Peers (Liger-Kernel, cut-cross-entropy) are measured where importable. Files in OUT_DIR:
+# log.txt (everything printed), lce.json, lce_chunks_{512,1024,4096}.json, cuda_tests.txt,
+# ce.json and, on a machine of 2 or more GPUs, dist.json.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
@@ -34,4 +34,15 @@ timeout 120 python -m pytest -q -m cuda -p no:cacheprovider tests/test_ce_cuda.p
 # 4. Cross-entropy from logits at its issue shape.
 timeout 200 python -m bench --device cuda --only ce --no-progress --ce-shape 16384,128256 --ce-repeats 10 \
     --json "$out/ce.json" 2>&1 | tee -a "$log" || status=1
+# 5. Vocabulary-parallel losses over every GPU of the machine (nccl, one process per GPU).
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    worlds=2; [ "$gpus" -ge 4 ] && worlds=2,4
+    timeout 600 python -m bench --device cuda --only dist --no-progress --dist-worlds "$worlds" \
+        --dist-shape 16384,128256 --dist-hidden-shape 16384,4096,128256 --dist-hidden-dtype bf16 \
+        --json "$out/dist.json" 2>&1 | tee -a "$log" || status=1
+else
+    echo "dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
+        | tee -a "$log"
+fi
 exit $status
