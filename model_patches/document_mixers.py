@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
+from .guards import _params
 from .masks import document_ids, reads_as_document_ids
 
 __all__ = ["mixer_probe", "build_mixer", "SegmentLayout", "segment_layout", "document_ids_from_cu_seqlens"]
@@ -51,10 +51,6 @@ _LAYOUT_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values")
 #: attribute set on a cache whose mixer layers a packed forward ran without it
 _STATELESS = "_packing_stateless_layers"
-
-
-def _params(fn: Any) -> list[str]:
-    return list(inspect.signature(fn).parameters)
 
 
 def mixer_probe(fn: Any) -> Optional[str]:
