@@ -16,7 +16,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")
 for peer in ("liger_kernel", "cut_cross_entropy", "triton", "transformers"):
     print(peer, "importable" if importlib.util.find_spec(peer) else "missing")
-from functional_ce.linear_ops import fp32_out_matmul_supported
+from functional_ce.weight_grad import fp32_out_matmul_supported
 print("fp32-output bf16 matmul on cuda:", fp32_out_matmul_supported(torch.device("cuda"), torch.bfloat16))
 PY
 status=0

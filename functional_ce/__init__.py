@@ -1,26 +1,29 @@
-"""Cross-entropy whose memory does not grow with tokens x vocabulary.
+"""Losses over the vocabulary whose memory does not grow with tokens x vocabulary.
 
 ``cross_entropy`` works from logits, ``linear_cross_entropy`` from hidden states (it never builds
-the logits); ``CrossEntropyLoss`` / ``LinearCrossEntropyLoss`` are their ``nn.Module`` forms. The
-per-chunk functions ``chunk_forward`` and ``chunk_backward`` are the pure graphs that
-torch.compile sees. Both loss forms take DTensors sharded over the vocabulary (tensor
-parallelism, :mod:`functional_ce.vocab_parallel`). This package never imports ``transformers``.
+the logits); ``CrossEntropyLoss`` / ``LinearCrossEntropyLoss`` are their ``nn.Module`` forms.
+Both take DTensors sharded over the vocabulary (tensor parallelism) and FSDP2-sharded heads
+(:mod:`functional_ce.distributed`). Layout: ``loss`` (the public functions), ``spec`` (the
+options and their checks), ``chunk`` (the pure per-chunk maths, the graphs torch.compile sees),
+``driver`` (the chunk loop and its operators), ``distributed``. This package never imports
+``transformers``.
 """
 
 from .chunk import chunk_backward, chunk_forward
-from .linear_loss import linear_cross_entropy
-from .loss import cross_entropy
+from .distributed.pipeline import hidden_state_loss_fn, pipeline_loss_fn
+from .loss import cross_entropy, linear_cross_entropy
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .pipeline import hidden_state_loss_fn
-from .options import ChunkOptions
+from .spec import ChunkOptions, LossSpec
 
 __all__ = [
     "ChunkOptions",
     "CrossEntropyLoss",
     "LinearCrossEntropyLoss",
+    "LossSpec",
     "chunk_backward",
     "chunk_forward",
     "cross_entropy",
     "hidden_state_loss_fn",
     "linear_cross_entropy",
+    "pipeline_loss_fn",
 ]

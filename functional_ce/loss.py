@@ -1,32 +1,40 @@
-"""``cross_entropy``: the eager shell around the chunked operator (checks, masking, reduction)."""
+"""The public loss functions: checks of the float inputs, the spec, then the chunk driver.
+
+Their keyword options are declared once, on :class:`~functional_ce.spec.LossSpec` (and the
+per-batch ``mask``, ``weights``, ``num_label_tokens`` and ``chunk_size``); each function's
+signature lists them (:func:`~functional_ce.spec.keyword_signature`).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any
 
 import torch
 
-from . import ops
-from .options import ChunkSize, Reduction, check_float, is_dtensor
-from .shell import Count, check_compile_chunks, plan_loss, reduce_rows
+from . import driver
+from .spec import keyword_signature, make_spec
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def cross_entropy(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    mask: Optional[torch.Tensor] = None,
-    weights: Optional[torch.Tensor] = None,
-    reduction: Reduction = "mean",
-    num_label_tokens: Count = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: Optional[float] = None,
-    chunk_size: ChunkSize = "auto",
-    inplace_grad: bool = False,
-    compile_chunks: Optional[bool] = None,
-) -> torch.Tensor:
+def is_dtensor(t: object) -> bool:
+    """``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch has no distributed support)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def check_float(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -> torch.Tensor:
     """Cross-entropy of ``logits`` against integer ``labels`` in fp32, chunk by chunk.
 
     Same result as ``F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ...)``
@@ -37,7 +45,7 @@ def cross_entropy(
     Args:
         logits: ``[..., V]`` float32, bfloat16 or float16, any strides.
         labels: ``[...]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
-        ignore_index: label value that contributes no loss and gets zero gradient.
+        ignore_index: label value that contributes no loss and gets zero gradient (default -100).
         mask: ``[...]`` bool or 0/1; positions where it is zero are ignored like ``ignore_index``.
         weights: ``[...]`` float per-token loss multipliers (applied after the per-token loss).
         reduction: ``"mean"`` (default, as in torch), the weighted sum divided by the number of
@@ -55,13 +63,12 @@ def cross_entropy(
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2/3).
         chunk_size: rows per fp32 chunk. ``"auto"`` bounds one fp32 chunk to about 256 MiB;
             ``None`` is one chunk; an int is rows per chunk.
-        inplace_grad: keyword-only. Backward writes the logits' gradient into the logits'
-            own storage and returns it, so no new ``[N, V]`` buffer is allocated. **The logits
-            are destroyed in backward**: do not read them afterwards, and do not use this when
-            another autograd node saved them (autograd then raises a version error). Inside
-            ``torch.compile`` it is ignored: the compiled backward allocates the
-            gradient either way, so the logits are left intact. Double backward raises, as it
-            does without it.
+        inplace_grad: backward writes the logits' gradient into the logits' own storage and
+            returns it, so no new ``[N, V]`` buffer is allocated. **The logits are destroyed in
+            backward**: do not read them afterwards, and do not use this when another autograd
+            node saved them (autograd then raises a version error). Inside ``torch.compile`` it is
+            ignored: the compiled backward allocates the gradient either way, so the logits are
+            left intact. Double backward raises, as it does without it.
         compile_chunks: run the per-chunk maths as compiled graphs (default: on, unless the
             environment sets ``FUNCTIONAL_CE_COMPILE=0``); a configuration falls back to eager
             only if the compiler itself fails, with a warning naming the cause.
@@ -74,12 +81,13 @@ def cross_entropy(
     its own shard, forward adds two all-reduces of O(N) fp32 statistics, backward communicates
     nothing, every option keeps its meaning over the full vocabulary, and the result is a
     DTensor ``Replicate()``. ``labels``, ``mask`` and ``weights`` are then plain tensors equal on
-    every process or ``Replicate()`` DTensors. See :mod:`functional_ce.vocab_parallel`.
+    every process or ``Replicate()`` DTensors. See :mod:`functional_ce.distributed.vocab`.
 
     Raises:
-        TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range. Labels
-        outside ``[0, V)`` are checked in eager mode only; under torch.compile they are not
-        checked and give an indexing error (CPU) or a device-side assert (CUDA).
+        TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range, or an
+        unknown keyword. Labels outside ``[0, V)`` are checked in eager mode only; under
+        torch.compile they are not checked and give an indexing error (CPU) or a device-side
+        assert (CUDA).
     """
     logits = check_float("logits", logits)
     if logits.dim() < 1:
@@ -87,29 +95,139 @@ def cross_entropy(
     n_classes = logits.shape[-1]
     if n_classes == 0:
         raise ValueError("logits must have at least one class (last dim V >= 1), got V=0")
-    if not isinstance(inplace_grad, bool):
-        raise TypeError(f"inplace_grad must be a bool, got {inplace_grad!r}")
-    check_compile_chunks(compile_chunks)
-    if inplace_grad and torch.compiler.is_compiling():
-        # Functionalization would clone the logits and still destroy them: keep them instead
-        # (documented; dynamo cannot trace a logging call here without a graph break).
-        inplace_grad = False
     if is_dtensor(logits):
-        from .vocab_parallel import vocab_parallel_cross_entropy
+        from .distributed.vocab import vocab_parallel_loss
 
-        return vocab_parallel_cross_entropy(
-            logits, labels, ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
-            num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            chunk_size=chunk_size, inplace_grad=inplace_grad, compile_chunks=compile_chunks,
+        return vocab_parallel_loss("logits", logits, None, None, labels, options)
+    spec, tokens = make_spec("logits", options, labels, batch_shape=logits.shape[:-1], n_classes=n_classes,
+                             device=logits.device)
+    return driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
+
+
+def _check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
+    hidden = check_float("hidden", hidden)
+    weight = check_float("weight", weight)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dim [..., H], got a 0-dim tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H] (an lm_head weight), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight shape "
+            f"{tuple(weight.shape)}; pass the [vocab, hidden] weight (not its transpose)"
         )
-    plan = plan_loss(
-        labels, batch_shape=logits.shape[:-1], n_classes=n_classes, device=logits.device, what="logits",
-        ignore_index=ignore_index, mask=mask, weights=weights, reduction=reduction,
-        num_label_tokens=num_label_tokens, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-        chunk_size=chunk_size,
-    )
-    loss_rows, _ = ops.chunked_ce_forward(
-        logits.reshape(-1, n_classes), plan.labels, *plan.opts.op_args(), plan.chunk_rows, compile_chunks,
-        inplace_grad,
-    )
-    return reduce_rows(loss_rows, plan)
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V=0")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"hidden and weight must have one dtype, got hidden {hidden.dtype} and weight {weight.dtype}; "
+            "cast one of them (e.g. hidden.to(weight.dtype))"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}; move both to one device")
+    if bias is None:
+        return
+    bias = check_float("bias", bias)
+    if bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) (one value per class), got {tuple(bias.shape)}")
+    if bias.dtype != weight.dtype:
+        raise TypeError(f"bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
+    if bias.device != weight.device:
+        raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+
+def _autocast_inputs(hidden: object, weight: object, bias: object) -> tuple:
+    """Under ``torch.autocast``, cast like ``F.linear`` would: hidden, weight and bias to the
+    autocast dtype. Forward and the backward recomputation then see the same low-precision
+    operands, and autograd casts the gradients back to the parameters' dtype."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return hidden, weight, bias
+    device_type = hidden.device.type
+    if device_type not in ("cpu", "cuda", "xpu") or not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        return hidden, weight, bias
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` without ever building them.
+
+    Same result as ``functional_ce.cross_entropy(F.linear(hidden, weight, bias), labels, ...)``
+    (fp32 loss maths), but no ``[N, V]`` tensor is allocated in forward or backward: each chunk
+    of ``chunk_size`` token rows computes its ``[c, V]`` logits, its loss and ``logsumexp``, and
+    drops them; rows whose label is ignored take part in no matmul. With ``"mean"`` / ``"sum"``
+    and gradients required, forward also computes the gradients for a unit upstream gradient
+    (three matmuls per chunk in all) and backward scales them; otherwise (``"none"``, or
+    ``recompute_logits_in_backward=True``) autograd saves only ``hidden``, ``weight``, ``bias``,
+    the labels and one fp32 ``logsumexp`` per row, and backward recomputes each chunk's logits.
+    The weight and bias gradients are accumulated in fp32 and returned in the weight's dtype.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16 (e.g. the decoder's last hidden state).
+        weight: ``[V, H]`` of ``hidden``'s dtype and device (an ``lm_head.weight``).
+        labels: ``[...]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
+        bias: ``[V]`` or None.
+        ignore_index, mask, weights, reduction, num_label_tokens, label_smoothing, z_loss, softcap,
+            compile_chunks: as in :func:`functional_ce.cross_entropy`.
+        chunk_size: token rows per chunk. ``"auto"`` takes ``LINEAR_AUTO_CHUNK_ROWS`` rows (where
+            the matmuls reach full rate), fewer where one fp32 ``[c, V]`` chunk would pass
+            ``LINEAR_AUTO_CHUNK_BYTES`` (on CUDA: the ``*_CUDA`` values, see
+            :func:`functional_ce.spec.linear_auto_chunk`); ``None`` is one chunk; an int is rows
+            per chunk.
+        recompute_logits_in_backward: with a scalar reduction and gradients required, the
+            default computes each chunk's logits once and the gradients (for a unit upstream
+            gradient) already in forward, holding ``[N, H]`` + ``[V, H]`` gradients until
+            backward scales them by the upstream gradient. True saves only O(N) statistics and
+            recomputes each chunk's logits in backward (one more matmul per chunk), as
+            ``reduction="none"`` always does.
+
+    Returns:
+        fp32 scalar for ``"mean"`` (the default) / ``"sum"``; fp32 ``[...]`` for ``"none"``.
+
+    Tensor parallel: ``weight`` (and ``bias``) may be a DTensor ``Shard(0)`` over one mesh dim (a
+    column-parallel LM head) with ``hidden`` a DTensor on the same mesh, ``Replicate()`` or sharded
+    over a token dim (sequence parallel); the result is a DTensor ``Replicate()``. Each process
+    builds only its slice of each chunk's logits; backward always recomputes them there (the
+    statistics are combined across processes before any gradient exists), and DTensor reduces
+    the hidden gradient once. See :mod:`functional_ce.distributed.vocab`.
+
+    FSDP2: ``weight`` (and ``bias``) may be DTensors sharded on dim 0 (``Replicate()`` on an HSDP
+    replicate dim) while ``hidden`` is a plain tensor. The full weight is gathered for the step
+    (one all-gather, one full ``[V, H]`` weight held until backward, as FSDP's own unshard
+    does), the loss is this process's own (a plain tensor), and ``weight.grad`` is the **sum** over
+    processes of each process's gradient, sharded like the weight (a reduce-scatter): not divided
+    by the number of processes, unlike FSDP2's own gradient reduction. The layout cannot tell a
+    tensor-parallel weight from an FSDP2 one: with a vocabulary-sharded weight, pass ``hidden`` as
+    a DTensor (above), or the gradient is the sum of identical per-process gradients.
+
+    Under ``torch.autocast``, hidden, weight and bias are first cast to the autocast dtype, as
+    ``F.linear`` would cast them; their gradients come back in their own dtype.
+
+    Raises:
+        TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range, or an
+        unknown keyword (labels outside ``[0, V)`` are checked in eager mode only, as in
+        ``cross_entropy``).
+    """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    _check_linear_inputs(hidden, weight, bias)
+    if is_dtensor(hidden):
+        from .distributed.vocab import vocab_parallel_loss
+
+        return vocab_parallel_loss("hidden", hidden, weight, bias, labels, options)
+    if is_dtensor(weight) or is_dtensor(bias):  # FSDP2: sharded parameters, plain activations
+        from .distributed.fsdp import gathered_parameter
+
+        weight = gathered_parameter(weight, "weight") if is_dtensor(weight) else weight
+        bias = gathered_parameter(bias, "bias") if is_dtensor(bias) else bias
+    n_classes, width = weight.shape
+    spec, tokens = make_spec("hidden", options, labels, batch_shape=hidden.shape[:-1], n_classes=n_classes,
+                             device=hidden.device)
+    return driver.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
+
+
+keyword_signature(cross_entropy, "logits")
+keyword_signature(linear_cross_entropy, "hidden")

@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import functional_ce
-from functional_ce.options import ChunkSize
+from functional_ce.spec import ChunkSize
 
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 

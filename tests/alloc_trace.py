@@ -18,11 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from torch.utils.flop_counter import flop_registry
 
-from functional_ce import linear_fused, linear_ops, ops, vocab_ops
-
-IMPLEMENTATIONS = {
-    **ops.IMPLEMENTATIONS, **linear_ops.IMPLEMENTATIONS, **linear_fused.IMPLEMENTATIONS, **vocab_ops.IMPLEMENTATIONS,
-}
+from functional_ce.driver import IMPLEMENTATIONS
 
 # Operators whose outputs are views or the mutated input, not new storage.
 _NO_ALLOC = {"aten::view", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::unsqueeze",

@@ -47,10 +47,10 @@ def test_num_items_in_batch_and_shift_labels(extra):
 
 
 def test_no_fp32_copy_of_the_logits_is_allocated(monkeypatch):
-    import functional_ce.options
+    import functional_ce.spec
 
     # "auto" chunks of 8 rows here, so that a chunk is not the whole (tiny) batch.
-    monkeypatch.setattr(functional_ce.options, "AUTO_CHUNK_BYTES", 8 * VOCAB * 4)
+    monkeypatch.setattr(functional_ce.spec, "AUTO_CHUNK_BYTES", 8 * VOCAB * 4)
     model = tiny_model("llama", dtype=torch.bfloat16)
     batch = padded_batch(t=16)
     n_logits = 2 * 16 * VOCAB

@@ -16,10 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .linear_loss import linear_cross_entropy
+from ..loss import linear_cross_entropy
+from ..spec import check_keywords
 
 
-def hidden_state_loss_fn(head: nn.Linear, **options: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def pipeline_loss_fn(head: nn.Linear, **options: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss_fn(hidden, target) = linear_cross_entropy(hidden, head.weight, target, bias=head.bias, **options)``.
 
     Args:
@@ -35,8 +36,13 @@ def hidden_state_loss_fn(head: nn.Linear, **options: Any) -> Callable[[torch.Ten
     """
     if not isinstance(head, nn.Linear):
         raise TypeError(f"head must be the LM head nn.Linear, got {type(head).__name__}")
+    check_keywords("hidden", options)
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(hidden, head.weight, target, bias=head.bias, **options)
 
     return loss_fn
+
+
+#: The former name of :func:`pipeline_loss_fn`, kept for one release.
+hidden_state_loss_fn = pipeline_loss_fn

@@ -1,0 +1,400 @@
+"""The loss spec: every option of a call in one frozen value, and the checks that build it.
+
+:class:`LossSpec` declares each public keyword option once, as a field with its default and its
+check; :func:`make_spec` validates a call's keywords against it (both loss forms, their
+``nn.Module`` forms and their DTensor forms go through it) and resolves the chunk rows. The
+spec travels to the custom operators as one string (:meth:`LossSpec.encode`) and back
+(:func:`decode`); compiled chunk graphs specialise on its maths fields (:meth:`LossSpec.maths`).
+Per-batch values (``mask``, ``weights``, ``num_label_tokens``) are checked here too and held by
+:class:`Tokens`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+
+ChunkSize = Union[int, Literal["auto"], None]
+Reduction = Literal["mean", "sum", "none"]
+Count = Union[int, float, torch.Tensor, None]
+
+#: Bytes that one fp32 chunk of logits may take when ``chunk_size="auto"`` (logits form).
+AUTO_CHUNK_BYTES = 256 * 1024 * 1024
+#: ``chunk_size="auto"`` of the hidden-state form (CPU): chunks of this many rows, where the
+#: chunk's matmuls reach full rate (bench/RESULTS.md, ``lce``), fewer only where one fp32
+#: ``[rows, V]`` chunk would pass the byte cap (large vocabularies).
+LINEAR_AUTO_CHUNK_ROWS = 512
+LINEAR_AUTO_CHUNK_BYTES = 64 * 1024 * 1024
+#: The same on CUDA, where each chunk adds its weight-gradient partial into the ``[V, H]`` fp32
+#: accumulator (hidden behind the matmul only from about 700 rows on an H100/H200) and a GPU
+#: needs large matmuls to fill its multiprocessors: the knee of the GPU chunk sweep in
+#: bench/RESULTS.md, with one fp32 chunk at most 1 GiB (2048 rows of a 128K vocabulary).
+LINEAR_AUTO_CHUNK_ROWS_CUDA = 2048
+LINEAR_AUTO_CHUNK_BYTES_CUDA = 1024 * 1024 * 1024
+
+FORMS = ("logits", "hidden")
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# --- value checks ------------------------------------------------------------------------------
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _in_range(kind: Callable, low: float, high: float, text: str, *, none: bool = False, open_low: bool = False,
+              open_high: bool = False) -> Callable[[str, object], Any]:
+    """A check that ``value`` is a ``kind`` (:func:`_real` / :func:`_integer`) in the range that
+    ``text`` describes (or None when ``none``)."""
+
+    def check(name: str, value: object) -> Any:
+        if none and value is None:
+            return None
+        x = kind(name, value)
+        if not ((low < x if open_low else low <= x) and (x < high if open_high else x <= high)):
+            raise ValueError(f"{name} must be {'None or ' if none else ''}{text}, got {value!r}")
+        return x
+
+    return check
+
+
+def _one_of(*choices: object, text: Optional[str] = None) -> Callable[[str, object], Any]:
+    def check(name: str, value: object) -> Any:
+        for c in choices:
+            if (value is c) if isinstance(c, bool) or c is None else (value == c and not isinstance(value, bool)):
+                return value
+        error = TypeError if text else ValueError
+        raise error(f"{name} must be {text or f'one of {choices}'}, got {value!r}")
+
+    return check
+
+
+_unit_interval = _in_range(_real, 0.0, 1.0, "in [0, 1]")
+_finite_non_negative = _in_range(_real, 0.0, math.inf, "a finite number >= 0", open_high=True)
+_positive = _in_range(_real, 0.0, math.inf, "a finite number > 0", none=True, open_low=True, open_high=True)
+_count = _in_range(_integer, 0, math.inf, "an int >= 0")
+_classes = _in_range(_integer, 1, math.inf, "an int >= 1", none=True)
+_flag = _one_of(True, False, text="a bool")
+_flag_or_none = _one_of(True, False, None, text="True, False or None")
+
+
+def _option(default: Any, check: Callable, *, forms: tuple[str, ...] = FORMS, maths: bool = True) -> Any:
+    """A spec field. ``forms``: the public loss forms taking it as a keyword (``()`` for fields the
+    library fills in); ``maths``: whether the per-chunk maths depends on it (compiled chunk graphs
+    specialise on exactly those fields)."""
+    return dataclasses.field(default=default, metadata={"check": check, "forms": forms, "maths": maths})
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """Every option of one loss call, checked: frozen and hashable.
+
+    Keyword options (the public loss functions take these by name):
+        ignore_index: label value whose rows contribute no loss and get zero gradient.
+        label_smoothing: epsilon of ``torch.nn.functional.cross_entropy``'s definition, in [0, 1].
+        z_loss: coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
+        softcap: if set, logits are replaced by ``softcap * tanh(logits / softcap)`` first.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        compile_chunks: run the chunk maths as compiled graphs (None: ``FUNCTIONAL_CE_COMPILE``).
+        inplace_grad: (logits form) backward writes the gradient into the logits' storage.
+        recompute_logits_in_backward: (hidden-state form) keep O(N) state and recompute each
+            chunk's logits in backward instead of computing the gradients in forward.
+
+    Filled in by the library:
+        loss: which per-token loss (a key of :data:`functional_ce.chunk.LOSSES`).
+        form: ``"logits"`` or ``"hidden"`` (logits ``hidden @ weight.T + bias``, built per chunk).
+        chunk_rows: token rows per chunk; 0 means all rows in one chunk.
+        vocab_start: the class id of a chunk's first column (where this process's slice of a
+            sharded vocabulary starts; 0 on one process).
+        n_classes: the full vocabulary size V (a chunk may hold only a slice of it).
+    """
+
+    ignore_index: int = _option(-100, _integer)
+    label_smoothing: float = _option(0.0, _unit_interval)
+    z_loss: float = _option(0.0, _finite_non_negative)
+    softcap: Optional[float] = _option(None, _positive)
+    reduction: str = _option("mean", _one_of(*_REDUCTIONS), maths=False)
+    compile_chunks: Optional[bool] = _option(None, _flag_or_none, maths=False)
+    inplace_grad: bool = _option(False, _flag, forms=("logits",), maths=False)
+    recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), maths=False)
+    loss: str = _option("cross_entropy", _one_of("cross_entropy"), forms=())
+    form: str = _option("logits", _one_of(*FORMS), forms=())
+    chunk_rows: int = _option(0, _count, forms=(), maths=False)
+    vocab_start: int = _option(0, _count, forms=())
+    n_classes: Optional[int] = _option(None, _classes, forms=())
+
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS:
+            object.__setattr__(self, name, check(name, getattr(self, name)))
+
+    def encode(self) -> str:
+        """The spec as one string argument of a custom operator (:func:`decode` inverts it)."""
+        return "|".join([f"{getattr(self, name)!r}" for name, _ in _CHECKS])
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 (specs are few, small and immortal)
+    def maths(self) -> "LossSpec":
+        """This spec with the fields the chunk maths ignores at their defaults: what a compiled
+        chunk graph specialises on (so reductions and chunk sizes share graphs)."""
+        return dataclasses.replace(self, **_DRIVER_DEFAULTS)
+
+    def rows_in(self, n: int) -> int:
+        """Rows per chunk for ``n`` rows (at least 1)."""
+        return max(1, n if self.chunk_rows == 0 else min(self.chunk_rows, n))
+
+
+# Read once here: dynamo traces a spec's construction inside a user's compiled loss, and reads
+# these plain tuples and dicts where it cannot read dataclass field metadata.
+_CHECKS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(LossSpec))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}
+_DRIVER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec) if not f.metadata["maths"]}
+_SPEC_KEYWORDS = {form: {f.name: f.default for f in dataclasses.fields(LossSpec) if form in f.metadata["forms"]}
+                  for form in FORMS}
+
+#: Kept for one release: the per-chunk options are fields of :class:`LossSpec` now.
+ChunkOptions = LossSpec
+
+
+@functools.lru_cache(maxsize=None)
+def decode(encoded: str) -> LossSpec:
+    """The :class:`LossSpec` that :meth:`LossSpec.encode` wrote."""
+    values = [ast.literal_eval(part) for part in encoded.split("|")]
+    return LossSpec(*values)
+
+
+#: Per-batch keywords of both forms (not held by the ``nn.Module`` forms), and the chunk size.
+BATCH_KEYWORDS = {"mask": None, "weights": None, "num_label_tokens": None}
+CHUNK_KEYWORD = {"chunk_size": "auto"}
+
+
+def keyword_defaults(form: str, *, batch: bool = True) -> dict[str, Any]:
+    """Every keyword option of the ``form`` loss with its default (``batch=False``: without the
+    per-batch ones, what the ``nn.Module`` forms hold)."""
+    return {**(BATCH_KEYWORDS if batch else {}), **_SPEC_KEYWORDS[form], **CHUNK_KEYWORD}
+
+
+def check_keywords(form: str, options: dict[str, Any], *, batch: bool = True) -> dict[str, Any]:
+    """``options`` with defaults filled in, every value checked: ``TypeError`` for a keyword the
+    form does not take, and the spec's own errors for a bad value."""
+    merged = _with_defaults(form, options, batch)
+    check_chunk_size(merged["chunk_size"])
+    LossSpec(**_spec_part(merged))
+    return merged
+
+
+def _with_defaults(form: str, options: dict[str, Any], batch: bool = True) -> dict[str, Any]:
+    known = keyword_defaults(form, batch=batch)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; the {form} form takes {sorted(known)}")
+    return {**known, **options}
+
+
+def _spec_part(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k in _DEFAULTS}
+
+
+def keyword_signature(fn: Callable, form: str, *, batch: bool = True) -> Callable:
+    """Give ``fn(..., **options)`` the signature that lists the ``form``'s keywords (``help``,
+    ``inspect.signature``, editors); the keywords themselves are declared once, on :class:`LossSpec`."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+               for name, default in keyword_defaults(form, batch=batch).items() if name not in sig.parameters]
+    fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
+
+
+# --- chunk sizing ------------------------------------------------------------------------------
+
+
+def check_chunk_size(chunk_size: object) -> None:
+    """``chunk_size`` must be a positive int, ``"auto"`` or None."""
+    if chunk_size == "auto" or chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size!r}')
+    if chunk_size <= 0:
+        raise ValueError(f'chunk_size must be a positive int, "auto" or None, got {chunk_size}')
+
+
+def linear_auto_chunk(device: torch.device) -> tuple[int, int]:
+    """``(rows, fp32 chunk byte cap)`` of the hidden-state form's ``chunk_size="auto"`` on ``device``."""
+    if device.type == "cuda":
+        return LINEAR_AUTO_CHUNK_ROWS_CUDA, LINEAR_AUTO_CHUNK_BYTES_CUDA
+    return LINEAR_AUTO_CHUNK_ROWS, LINEAR_AUTO_CHUNK_BYTES
+
+
+def _chunk_rows(chunk_size: ChunkSize, row_bytes: int, auto_bytes: Optional[int], auto_rows: Optional[int]) -> int:
+    """Rows per chunk before clamping to the row count; 0 for one chunk."""
+    check_chunk_size(chunk_size)
+    if chunk_size is None:
+        return 0
+    if chunk_size != "auto":
+        return int(chunk_size)
+    budget = AUTO_CHUNK_BYTES if auto_bytes is None else auto_bytes
+    rows = max(1, budget // max(1, row_bytes))
+    if auto_rows is not None:
+        rows = min(rows, auto_rows)
+    if rows >= 64:
+        rows -= rows % 32  # aligned chunks vectorise better
+    return rows
+
+
+def resolve_chunk_size(
+    chunk_size: ChunkSize, n_rows: int, row_bytes: int, auto_bytes: Optional[int] = None,
+    auto_rows: Optional[int] = None,
+) -> int:
+    """Rows per chunk for ``n_rows`` rows whose fp32 form takes ``row_bytes`` bytes each.
+
+    ``"auto"`` takes ``auto_rows`` rows (no limit when None), fewer where one fp32 chunk would
+    pass ``auto_bytes`` (default ``AUTO_CHUNK_BYTES``); ``None`` is one chunk.
+    """
+    rows = _chunk_rows(chunk_size, row_bytes, auto_bytes, auto_rows)
+    return max(1, n_rows if rows == 0 else min(rows, n_rows))
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def _check_labels(labels: object, batch_shape: torch.Size, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    if labels.shape != batch_shape:
+        raise ValueError(
+            f"labels must have shape {tuple(batch_shape)} ({what} without its last dim), got {tuple(labels.shape)}"
+        )
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but {what} is on {device}; move both to one device")
+    return labels
+
+
+def _check_token_tensor(name: str, t: Optional[torch.Tensor], batch_shape: torch.Size, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != batch_shape:
+        raise ValueError(f"{name} must have shape {tuple(batch_shape)} (one value per label), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the logits are on {device}")
+    if name == "weights" and not t.dtype.is_floating_point:
+        raise TypeError(f"weights must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_count(reduction: str, num_label_tokens: object) -> None:
+    """A finite count >= 0 with a scalar reduction: a number, or a one-element tensor whose value
+    is checked in eager mode only (a device read-back; not under torch.compile)."""
+    if num_label_tokens is None:
+        return
+    if reduction == "none":
+        raise ValueError(
+            'num_label_tokens divides a summed loss and needs reduction="mean" or "sum", got reduction="none"'
+        )
+    if isinstance(num_label_tokens, torch.Tensor):
+        if num_label_tokens.numel() != 1:
+            raise ValueError(
+                f"num_label_tokens must be a scalar, got a tensor of shape {tuple(num_label_tokens.shape)}"
+            )
+        if num_label_tokens.dtype == torch.bool or num_label_tokens.is_complex():
+            raise TypeError(f"num_label_tokens must be a real number tensor, got {num_label_tokens.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        value = float(num_label_tokens.detach().reshape(()).item())
+    elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
+        raise TypeError(f"num_label_tokens must be a number or a scalar tensor, got {num_label_tokens!r}")
+    else:
+        value = float(num_label_tokens)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"num_label_tokens must be a finite count >= 0, got {value!r}")
+
+
+def _check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU)."""
+    if labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    bad = ((labels < 0) | (labels >= n_classes)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"labels must be in [0, {n_classes}) or equal ignore_index={ignore_index}; got {int(bad.sum())} "
+            f"label(s) outside, e.g. {first}"
+        )
+
+
+# --- the spec of a call ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """The per-token inputs of a call, checked.
+
+    Attributes:
+        labels: ``[N]`` int64, ``ignore_index`` wherever the label was ignored or masked.
+        batch_shape: the caller's token shape ``[...]`` (``N`` is its product).
+        weights: ``[...]`` per-token multipliers or None.
+        num_label_tokens: the denominator of a scalar reduction, or None.
+    """
+
+    labels: torch.Tensor
+    batch_shape: torch.Size
+    weights: Optional[torch.Tensor]
+    num_label_tokens: Count
+
+
+def make_spec(
+    form: str,
+    options: dict[str, Any],
+    labels: object,
+    *,
+    batch_shape: torch.Size,
+    n_classes: int,
+    device: torch.device,
+    row_classes: Optional[int] = None,
+    vocab_start: int = 0,
+) -> tuple[LossSpec, Tokens]:
+    """Check a call's keyword ``options`` and per-token inputs; return its spec and tokens.
+
+    ``form`` is ``"logits"`` or ``"hidden"`` (it names the float input in messages);
+    ``n_classes`` the full vocabulary size; ``row_classes`` the columns one chunk row holds (this
+    process's slice under vocabulary parallelism, default ``n_classes``); ``vocab_start`` where
+    that slice starts.
+    """
+    opts = _with_defaults(form, options)
+    if form == "logits" and opts["inplace_grad"] is True and torch.compiler.is_compiling():
+        # Functionalization would clone the logits and still destroy them: keep them instead
+        # (documented; dynamo cannot trace a logging call here without a graph break).
+        opts["inplace_grad"] = False
+    auto_rows, auto_bytes = linear_auto_chunk(device) if form == "hidden" else (None, None)
+    row_bytes = (n_classes if row_classes is None else row_classes) * 4
+    spec = LossSpec(
+        **_spec_part(opts), form=form, chunk_rows=_chunk_rows(opts["chunk_size"], row_bytes, auto_bytes, auto_rows),
+        vocab_start=vocab_start, n_classes=n_classes,
+    )
+    labels = _check_labels(labels, batch_shape, device, form)
+    mask, weights, count = opts["mask"], opts["weights"], opts["num_label_tokens"]
+    _check_token_tensor("mask", mask, batch_shape, device)
+    _check_token_tensor("weights", weights, batch_shape, device)
+    _check_count(spec.reduction, count)
+    _check_label_range(labels, n_classes, spec.ignore_index)
+    labels1d = labels.reshape(-1).long()
+    if mask is not None:
+        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, spec.ignore_index)
+    return spec, Tokens(labels1d, batch_shape, weights, count)
