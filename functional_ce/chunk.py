@@ -1,6 +1,6 @@
 """The per-chunk maths: pure functions, the graphs that torch.compile sees, and how they run.
 
-A loss over the vocabulary is four pure functions of one chunk of rows (a :class:`LossMaths`
+A loss over the vocabulary is three pure functions of one chunk of rows (a :class:`LossMaths`
 entry of :data:`LOSSES`; ``spec`` is the call's :class:`~functional_ce.spec.LossSpec`):
 
 - ``stats(z, labels, spec) -> [c, k]`` fp32 (``k = width(spec)``): per-row statistics of a
