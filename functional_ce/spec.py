@@ -22,7 +22,6 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 
 ChunkSize = Union[int, Literal["auto"], None]
-Reduction = Literal["mean", "sum", "none"]
 Count = Union[int, float, torch.Tensor, None]
 
 #: Bytes that one fp32 chunk of logits may take when ``chunk_size="auto"`` (logits form).
