@@ -149,7 +149,7 @@ def _spans(n: int, spec: LossSpec):
     return (slice(start, min(start + step, n)) for start in range(0, n, step))
 
 
-# --- 1. statistics -----------------------------------------------------------------------------
+# --- step 1: statistics (step 2, the combine across shards, is distributed.vocab's) -----------
 
 
 def _stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -177,7 +177,7 @@ def _stats_fake(x, weight, bias, labels, spec):
 _stats = _operator("stats", _stats_impl, _stats_fake)
 
 
-# --- 3. rows, and their backward ---------------------------------------------------------------
+# --- step 3: rows, and their backward ----------------------------------------------------------
 
 
 def _logits_grad_into_impl(grad_rows: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
