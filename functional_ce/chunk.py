@@ -1,16 +1,9 @@
-"""The per-chunk maths: pure functions, the graphs that torch.compile sees, and how they run.
+"""The graphs that torch.compile sees per chunk, and how they run.
 
-A loss over the vocabulary is three pure functions of one chunk of rows (a :class:`LossMaths`
-entry of :data:`LOSSES`; ``spec`` is the call's :class:`~functional_ce.spec.LossSpec`):
-
-- ``stats(z, labels, spec) -> [c, k]`` fp32 (``k = width(spec)``): per-row statistics of a
-  chunk of logits ``z`` ``[c, V_slice]`` (the columns from ``spec.vocab_start`` on), column ``i``
-  of the kind ``combine[i]`` that says how vocabulary slices combine: ``"lse"`` (a logsumexp,
-  combined by a logsumexp) or ``"sum"`` (summed).
-- ``rows(stats, labels, spec) -> (loss [c], saved [c, j])``: each row's loss from the
-  full-vocabulary statistics, and the ``j`` fp32 values per row its gradient needs.
-- ``grad(z, labels, saved, grad_rows, spec) -> [c, V_slice]``: the gradient of
-  ``sum(grad_rows * loss)`` with respect to the chunk's logits, in their dtype.
+Each loss's pure chunk maths is a :class:`~functional_ce.maths.LossMaths` entry of
+:data:`~functional_ce.maths.LOSSES` (its statistics pass by pass, its rows and its gradient;
+``spec`` is the call's :class:`~functional_ce.spec.LossSpec`). :func:`chunk_forward` and
+:func:`chunk_backward` are cross-entropy's, as pure per-chunk functions.
 
 The ``*_chunk`` / ``*_into`` functions below are the graphs the driver runs per chunk: they build
 a chunk's logits (``hidden @ weight.T + bias`` for the hidden-state form) and call the loss's
@@ -43,104 +36,19 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .maths import LOSSES
 from .spec import LossSpec
 
 logger = logging.getLogger(__name__)
 
 
-def _capped_fp32(z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    x = z.float()
-    if spec.softcap is not None:
-        x = torch.tanh(x / spec.softcap) * spec.softcap
-    return x
-
-
-# --- cross-entropy -----------------------------------------------------------------------------
-
-
-def ce_stats(z: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """``[c, 2]`` (``[c, 3]`` with label smoothing) fp32: the slice's logsumexp of the (soft-capped)
-    logits, the target's logit where the target lies in the slice (else 0), and the sum of the
-    slice's logits (what label smoothing needs)."""
-    x = _capped_fp32(z, spec)
-    local = labels.long() - spec.vocab_start
-    here = (labels != spec.ignore_index) & (local >= 0) & (local < x.shape[-1])
-    target = x.gather(-1, torch.where(here, local, 0).unsqueeze(-1)).squeeze(-1)
-    parts = [torch.logsumexp(x, dim=-1), torch.where(here, target, 0.0)]
-    if spec.label_smoothing > 0.0:
-        parts.append(x.sum(dim=-1))
-    return torch.stack(parts, dim=-1)
-
-
-def ce_rows(stats: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss ``[c]`` from the full-vocabulary statistics (0 on ignored rows), and the
-    logsumexp ``[c, 1]`` its gradient needs."""
-    lse, target = stats[:, 0], stats[:, 1]
-    loss = lse - target
-    if spec.label_smoothing > 0.0:
-        eps = spec.label_smoothing
-        loss = (1.0 - eps) * loss + eps * (lse - stats[:, 2] / spec.n_classes)
-    if spec.z_loss > 0.0:
-        loss = loss + spec.z_loss * lse * lse
-    return torch.where(labels != spec.ignore_index, loss, 0.0), lse.unsqueeze(-1)
-
-
-def ce_grad(z: torch.Tensor, labels: torch.Tensor, saved: torch.Tensor, grad_rows: torch.Tensor,
-            spec: LossSpec) -> torch.Tensor:
-    """Gradient of ``sum(grad_rows * loss)`` w.r.t. the chunk ``z`` ``[c, V_slice]`` (its dtype),
-    recomputing the softmax from the saved full-vocabulary logsumexp; zero on ignored rows."""
-    x = _capped_fp32(z, spec)
-    lse = saved[:, 0]
-    valid = labels != spec.ignore_index
-    safe = torch.where(valid, labels, 0).long()
-    g = torch.where(valid, grad_rows.float(), 0.0)
-    eps = spec.label_smoothing
-    p_scale = g * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss > 0.0 else g
-    probs = torch.exp(x - lse.unsqueeze(-1))
-    # int32 class ids (vocabularies are < 2**31): the [c, V] comparison vectorises twice as wide
-    # as in int64 (10% of the compiled chunk on CPU)
-    cols = torch.arange(x.shape[-1], device=x.device, dtype=torch.int32) + spec.vocab_start
-    hit = cols.unsqueeze(0) == safe.int().unsqueeze(-1)
-    grad = probs * p_scale.unsqueeze(-1) - torch.where(hit, (g * (1.0 - eps)).unsqueeze(-1), 0.0)
-    if eps > 0.0:
-        grad = grad - (g * (eps / spec.n_classes)).unsqueeze(-1)
-    if spec.softcap is not None:
-        t = x / spec.softcap
-        grad = grad * (1.0 - t * t)
-    grad = torch.where(valid.unsqueeze(-1), grad, 0.0)
-    return grad.to(z.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class LossMaths:
-    """The pure chunk functions of one loss (see the module docstring)."""
-
-    stats: Callable[..., torch.Tensor]
-    width: Callable[[LossSpec], int]
-    combine: tuple[str, ...]
-    rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    grad: Callable[..., torch.Tensor]
-    #: ``(public name, what to use for double backward)`` of the logits and the hidden-state form.
-    names: tuple[tuple[str, str], tuple[str, str]]
-
-
-#: ``LossSpec.loss`` -> its maths.
-LOSSES = {
-    "cross_entropy": LossMaths(
-        ce_stats, lambda spec: 3 if spec.label_smoothing > 0.0 else 2, ("lse", "sum", "sum"), ce_rows, ce_grad,
-        (("cross_entropy", "torch.nn.functional.cross_entropy"),
-         ("linear_cross_entropy", "F.linear + torch.nn.functional.cross_entropy")),
-    ),
-}
-
-
 def chunk_forward(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, *, opts: LossSpec
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss and logsumexp of one chunk ``[c, V]`` (all classes): fp32 ``[c]`` each,
-    the loss 0 on ignored rows."""
+    """Cross-entropy's per-row loss and logsumexp of one chunk ``[c, V]`` (all classes): fp32
+    ``[c]`` each, the loss 0 on ignored rows."""
     opts = _full_vocabulary(opts, logits_chunk)
     maths = LOSSES[opts.loss]
-    loss, saved = maths.rows(maths.stats(logits_chunk, labels_chunk, opts), labels_chunk, opts)
+    loss, saved = maths.rows(maths.stats((logits_chunk,), labels_chunk, None, opts), labels_chunk, opts)
     return loss, saved[:, 0]
 
 
@@ -149,7 +57,7 @@ def chunk_backward(logits_chunk: torch.Tensor, labels_chunk: torch.Tensor, lse: 
     """Gradient of ``sum(grad_rows * loss_rows)`` w.r.t. one chunk of logits ``[c, V]``, given the
     ``lse`` ``[c]`` of :func:`chunk_forward`; in ``logits_chunk.dtype``, zero on ignored rows."""
     opts = _full_vocabulary(opts, logits_chunk)
-    return LOSSES[opts.loss].grad(logits_chunk, labels_chunk, lse.unsqueeze(-1), grad_rows, opts)
+    return LOSSES[opts.loss].grad((logits_chunk,), labels_chunk, lse.unsqueeze(-1), grad_rows, opts)[0]
 
 
 def _full_vocabulary(opts: LossSpec, logits_chunk: torch.Tensor) -> LossSpec:
@@ -158,44 +66,70 @@ def _full_vocabulary(opts: LossSpec, logits_chunk: torch.Tensor) -> LossSpec:
 
 
 # --- the graphs the driver runs per chunk ------------------------------------------------------
+# A loss reads one input (logits, or hidden states with a head's weight and bias) or two
+# (distillation: the student's and the teacher's, ``x2``/``weight2``/``bias2``; None otherwise).
 
 
-def _logits(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], spec: LossSpec
-            ) -> torch.Tensor:
-    return x if spec.form == "logits" else F.linear(x, weight, bias)
+def _logits(x: Optional[torch.Tensor], weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+            spec: LossSpec) -> Optional[torch.Tensor]:
+    return x if spec.form == "logits" or x is None else F.linear(x, weight, bias)
 
 
-def forward_into(out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
-                 bias: Optional[torch.Tensor], labels: torch.Tensor, *, opts: LossSpec) -> None:
+def _inputs(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], x2: Optional[torch.Tensor],
+            weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor], spec: LossSpec) -> tuple[torch.Tensor, ...]:
+    """The chunk's logits of each input: ``(z,)`` or ``(z_student, z_teacher)``."""
+    zs = (_logits(x, weight, bias, spec), _logits(x2, weight2, bias2, spec))
+    return zs[:1] if x2 is None else zs
+
+
+def forward_into(out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 x2: Optional[torch.Tensor], weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
+                 labels: torch.Tensor, prior: Optional[torch.Tensor], *, opts: LossSpec) -> None:
     """The statistics ``[c, k]`` of one chunk of rows (logits, or hidden states), into ``out``."""
-    out.copy_(LOSSES[opts.loss].stats(_logits(x, weight, bias, opts), labels, opts))
+    out.copy_(LOSSES[opts.loss].stats(_inputs(x, weight, bias, x2, weight2, bias2, opts), labels, prior, opts))
 
 
-def backward_into(out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, saved: torch.Tensor,
-                  grad_rows: torch.Tensor, *, opts: LossSpec) -> None:
-    """The logits' gradient ``[c, V]`` of one chunk, into ``out`` (which may be ``logits`` itself)."""
-    out.copy_(LOSSES[opts.loss].grad(logits, labels, saved, grad_rows, opts))
+def backward_into(out: torch.Tensor, out2: Optional[torch.Tensor], logits: torch.Tensor,
+                  logits2: Optional[torch.Tensor], labels: torch.Tensor, saved: torch.Tensor, grad_rows: torch.Tensor,
+                  *, opts: LossSpec) -> None:
+    """The logits' gradient ``[c, V]`` of one chunk, into ``out`` (which may be ``logits`` itself),
+    and the second input's into ``out2`` when given."""
+    zs = (logits,) if logits2 is None else (logits, logits2)
+    grads = LOSSES[opts.loss].grad(zs, labels, saved, grad_rows, opts)
+    out.copy_(grads[0])
+    if out2 is not None:
+        out2.copy_(grads[1])
+
+
+def _head_grads(grads: Sequence[Optional[torch.Tensor]], weights: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """``(grad_hidden [c, H], grad_logits [c, V])`` per input (None for one without a gradient)."""
+    out: tuple = ()
+    for g, w in zip(grads, weights):
+        out += (None, None) if g is None else (g @ w, g)
+    return out
 
 
 def linear_backward_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          labels: torch.Tensor, saved: torch.Tensor, grad_rows: torch.Tensor, *, opts: LossSpec
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          hidden2: Optional[torch.Tensor], weight2: Optional[torch.Tensor],
+                          bias2: Optional[torch.Tensor], labels: torch.Tensor, saved: torch.Tensor,
+                          grad_rows: torch.Tensor, *, opts: LossSpec) -> tuple:
     """Recompute one chunk's logits; return ``(grad_hidden [c, H], grad_logits [c, V])`` in the
-    input dtype (the driver folds ``grad_logits`` into the weight and bias gradients)."""
-    grad_logits = LOSSES[opts.loss].grad(F.linear(hidden, weight, bias), labels, saved, grad_rows, opts)
-    return grad_logits @ weight, grad_logits
+    input dtype, then the second input's (None, None when it has no gradient); the driver folds
+    ``grad_logits`` into the weight and bias gradients."""
+    zs = _inputs(hidden, weight, bias, hidden2, weight2, bias2, opts)
+    return _head_grads(LOSSES[opts.loss].grad(zs, labels, saved, grad_rows, opts), (weight, weight2))
 
 
 def linear_fused_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       labels: torch.Tensor, coef: torch.Tensor, *, opts: LossSpec
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       hidden2: Optional[torch.Tensor], weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
+                       labels: torch.Tensor, coef: torch.Tensor, *, opts: LossSpec) -> tuple:
     """One chunk of the whole vocabulary with its gradients in forward: ``(loss fp32 [c],
-    grad_hidden [c, H], grad_logits [c, V])`` of ``sum(coef * loss)``, the logits built once."""
+    grad_hidden [c, H], grad_logits [c, V], ...the second input's)`` of ``sum(coef * loss)``, the
+    logits built once."""
     maths = LOSSES[opts.loss]
-    logits = F.linear(hidden, weight, bias)
-    loss, saved = maths.rows(maths.stats(logits, labels, opts), labels, opts)
-    grad_logits = maths.grad(logits, labels, saved, coef, opts)
-    return loss, grad_logits @ weight, grad_logits
+    zs = _inputs(hidden, weight, bias, hidden2, weight2, bias2, opts)
+    loss, saved = maths.rows(maths.stats(zs, labels, None, opts), labels, opts)
+    return (loss, *_head_grads(maths.grad(zs, labels, saved, coef, opts), (weight, weight2)))
 
 
 def accumulate_into(acc: torch.Tensor, partial: torch.Tensor, *, opts: LossSpec) -> None:
@@ -293,7 +227,8 @@ def run_chunk(fn: Callable, spec: LossSpec, *args: Any, row_args: Sequence[int])
         copy = _fresh_copy(fn)
         entry = _graphs[key] = (torch.compile(copy, dynamic=False, fullgraph=True), copy)
     for i in row_args:
-        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        if args[i] is not None:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
     try:
         return entry[0](*args, opts=opts)
     except Exception as exc:

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from . import driver
-from .spec import keyword_signature, make_spec
+from .inputs import make_spec
+from .spec import keyword_signature
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,12 +1,11 @@
-"""The loss spec: every option of a call in one frozen value, and the checks that build it.
+"""The loss spec: every option of a call in one frozen value, and the checks of its keywords.
 
-:class:`LossSpec` declares each public keyword option once, as a field with its default and its
-check; :func:`make_spec` validates a call's keywords against it (both loss forms, their
-``nn.Module`` forms and their DTensor forms go through it) and resolves the chunk rows. The
-spec travels to the custom operators as one string (:meth:`LossSpec.encode`) and back
-(:func:`decode`); compiled chunk graphs specialise on its maths fields (:meth:`LossSpec.maths`).
-Per-batch values (``mask``, ``weights``, ``num_label_tokens``) are checked here too and held by
-:class:`Tokens`.
+:class:`LossSpec` declares each public keyword option once, as a field with its default, its
+check and the losses and forms that take it; :func:`check_keywords` and
+:func:`functional_ce.inputs.make_spec` validate a call's keywords against it (every loss, its
+``nn.Module`` form and its DTensor form go through them). The spec travels to the custom operators
+as one string (:meth:`LossSpec.encode`) and back (:func:`decode`); compiled chunk graphs
+specialise on its maths fields (:meth:`LossSpec.maths`).
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ LINEAR_AUTO_CHUNK_ROWS_CUDA = 2048
 LINEAR_AUTO_CHUNK_BYTES_CUDA = 1024 * 1024 * 1024
 
 FORMS = ("logits", "hidden")
+#: The per-token losses (keys of :data:`functional_ce.chunk.LOSSES`).
+LOSS_NAMES = ("cross_entropy", "token_logprobs", "distillation")
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -87,29 +88,41 @@ def _one_of(*choices: object, text: Optional[str] = None) -> Callable[[str, obje
 _unit_interval = _in_range(_real, 0.0, 1.0, "in [0, 1]")
 _finite_non_negative = _in_range(_real, 0.0, math.inf, "a finite number >= 0", open_high=True)
 _positive = _in_range(_real, 0.0, math.inf, "a finite number > 0", none=True, open_low=True, open_high=True)
+_temperature = _in_range(_real, 0.0, math.inf, "a finite number > 0", open_low=True, open_high=True)
+_stats_pass = _in_range(_integer, -1, math.inf, "an int >= -1")
 _count = _in_range(_integer, 0, math.inf, "an int >= 0")
 _classes = _in_range(_integer, 1, math.inf, "an int >= 1", none=True)
 _flag = _one_of(True, False, text="a bool")
 _flag_or_none = _one_of(True, False, None, text="True, False or None")
 
 
-def _option(default: Any, check: Callable, *, forms: tuple[str, ...] = FORMS, maths: bool = True) -> Any:
-    """A spec field. ``forms``: the public loss forms taking it as a keyword (``()`` for fields the
-    library fills in); ``maths``: whether the per-chunk maths depends on it (compiled chunk graphs
-    specialise on exactly those fields)."""
-    return dataclasses.field(default=default, metadata={"check": check, "forms": forms, "maths": maths})
+_CE, _LOGP, _KD = LOSS_NAMES
+
+
+def _option(default: Any, check: Callable, *, forms: tuple[str, ...] = FORMS, losses: tuple[str, ...] = LOSS_NAMES,
+            maths: bool = True) -> Any:
+    """A spec field. ``forms`` and ``losses``: the public loss forms and losses taking it as a
+    keyword (``forms=()`` for fields the library fills in); ``maths``: whether the per-chunk maths
+    depends on it (compiled chunk graphs specialise on exactly those fields)."""
+    return dataclasses.field(default=default, metadata={"check": check, "forms": forms, "losses": losses,
+                                                        "maths": maths})
 
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """Every option of one loss call, checked: frozen and hashable.
 
-    Keyword options (the public loss functions take these by name):
+    Keyword options (the public loss functions take these by name; each says which losses take it):
         ignore_index: label value whose rows contribute no loss and get zero gradient.
-        label_smoothing: epsilon of ``torch.nn.functional.cross_entropy``'s definition, in [0, 1].
-        z_loss: coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
-        softcap: if set, logits are replaced by ``softcap * tanh(logits / softcap)`` first.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        label_smoothing: (cross-entropy) epsilon of ``torch.nn.functional.cross_entropy``'s
+            definition, in [0, 1].
+        z_loss: (cross-entropy) coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
+        softcap: (cross-entropy, log-probs) if set, logits are replaced by
+            ``softcap * tanh(logits / softcap)`` first.
+        temperature: (log-probs, distillation) logits are divided by it (after the softcap).
+        return_entropy: (log-probs) also return each token's entropy.
+        beta: (distillation) the generalized Jensen-Shannon divergence's mixing weight, in [0, 1].
+        reduction: (cross-entropy, distillation) ``"mean"``, ``"sum"`` or ``"none"``.
         compile_chunks: run the chunk maths as compiled graphs (None: ``FUNCTIONAL_CE_COMPILE``).
         inplace_grad: (logits form) backward writes the gradient into the logits' storage.
         recompute_logits_in_backward: (hidden-state form) keep O(N) state and recompute each
@@ -122,21 +135,29 @@ class LossSpec:
         vocab_start: the class id of a chunk's first column (where this process's slice of a
             sharded vocabulary starts; 0 on one process).
         n_classes: the full vocabulary size V (a chunk may hold only a slice of it).
+        stats_pass: which pass of the loss's statistics a chunk computes (a sharded vocabulary
+            combines each pass before the next); -1 for all of them at once (one slice).
+        teacher_grad: (distillation) whether the second input (the teacher) gets a gradient.
     """
 
     ignore_index: int = _option(-100, _integer)
-    label_smoothing: float = _option(0.0, _unit_interval)
-    z_loss: float = _option(0.0, _finite_non_negative)
-    softcap: Optional[float] = _option(None, _positive)
-    reduction: str = _option("mean", _one_of(*_REDUCTIONS), maths=False)
+    label_smoothing: float = _option(0.0, _unit_interval, losses=(_CE,))
+    z_loss: float = _option(0.0, _finite_non_negative, losses=(_CE,))
+    softcap: Optional[float] = _option(None, _positive, losses=(_CE, _LOGP))
+    reduction: str = _option("mean", _one_of(*_REDUCTIONS), losses=(_CE, _KD), maths=False)
     compile_chunks: Optional[bool] = _option(None, _flag_or_none, maths=False)
-    inplace_grad: bool = _option(False, _flag, forms=("logits",), maths=False)
-    recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), maths=False)
-    loss: str = _option("cross_entropy", _one_of("cross_entropy"), forms=())
+    inplace_grad: bool = _option(False, _flag, forms=("logits",), losses=(_CE,), maths=False)
+    recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), losses=(_CE, _KD), maths=False)
+    temperature: float = _option(1.0, _temperature, losses=(_LOGP, _KD))
+    return_entropy: bool = _option(False, _flag, losses=(_LOGP,))
+    beta: float = _option(0.5, _unit_interval, losses=(_KD,))
+    loss: str = _option("cross_entropy", _one_of(*LOSS_NAMES), forms=())
     form: str = _option("logits", _one_of(*FORMS), forms=())
     chunk_rows: int = _option(0, _count, forms=(), maths=False)
     vocab_start: int = _option(0, _count, forms=())
     n_classes: Optional[int] = _option(None, _classes, forms=())
+    stats_pass: int = _option(-1, _stats_pass, forms=())
+    teacher_grad: bool = _option(False, _flag, forms=())
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
@@ -162,8 +183,11 @@ class LossSpec:
 _CHECKS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(LossSpec))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}
 _DRIVER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec) if not f.metadata["maths"]}
-_SPEC_KEYWORDS = {form: {f.name: f.default for f in dataclasses.fields(LossSpec) if form in f.metadata["forms"]}
-                  for form in FORMS}
+_SPEC_KEYWORDS = {
+    (loss, form): {f.name: f.default for f in dataclasses.fields(LossSpec)
+                   if form in f.metadata["forms"] and loss in f.metadata["losses"]}
+    for loss in LOSS_NAMES for form in FORMS
+}
 
 #: Kept for one release: the per-chunk options are fields of :class:`LossSpec` now.
 ChunkOptions = LossSpec
@@ -176,45 +200,52 @@ def decode(encoded: str) -> LossSpec:
     return LossSpec(*values)
 
 
-#: Per-batch keywords of both forms (not held by the ``nn.Module`` forms), and the chunk size.
+#: Per-batch keywords (not held by the ``nn.Module`` forms) -> the losses taking them; the chunk size.
 BATCH_KEYWORDS = {"mask": None, "weights": None, "num_label_tokens": None}
+_BATCH_LOSSES = {"mask": LOSS_NAMES, "weights": (_CE,), "num_label_tokens": (_CE, _KD)}
 CHUNK_KEYWORD = {"chunk_size": "auto"}
 
 
-def keyword_defaults(form: str, *, batch: bool = True) -> dict[str, Any]:
-    """Every keyword option of the ``form`` loss with its default (``batch=False``: without the
-    per-batch ones, what the ``nn.Module`` forms hold)."""
-    return {**(BATCH_KEYWORDS if batch else {}), **_SPEC_KEYWORDS[form], **CHUNK_KEYWORD}
+def keyword_defaults(form: str, *, loss: str = "cross_entropy", batch: bool = True) -> dict[str, Any]:
+    """Every keyword option of ``loss`` in the ``form`` form with its default (``batch=False``:
+    without the per-batch ones, what the ``nn.Module`` forms hold)."""
+    per_batch = {k: v for k, v in BATCH_KEYWORDS.items() if batch and loss in _BATCH_LOSSES[k]}
+    return {**per_batch, **_SPEC_KEYWORDS[(loss, form)], **CHUNK_KEYWORD}
 
 
-def check_keywords(form: str, options: dict[str, Any], *, batch: bool = True) -> dict[str, Any]:
+def check_keywords(form: str, options: dict[str, Any], *, loss: str = "cross_entropy",
+                   batch: bool = True) -> dict[str, Any]:
     """``options`` with defaults filled in, every value checked: ``TypeError`` for a keyword the
-    form does not take, and the spec's own errors for a bad value."""
-    merged = _with_defaults(form, options, batch)
+    loss's form does not take, and the spec's own errors for a bad value."""
+    merged = with_defaults(form, options, loss=loss, batch=batch)
     check_chunk_size(merged["chunk_size"])
-    LossSpec(**_spec_part(merged))
+    LossSpec(**spec_part(merged))
     return merged
 
 
-def _with_defaults(form: str, options: dict[str, Any], batch: bool = True) -> dict[str, Any]:
-    known = keyword_defaults(form, batch=batch)
+def with_defaults(form: str, options: dict[str, Any], *, loss: str = "cross_entropy",
+                  batch: bool = True) -> dict[str, Any]:
+    """``options`` over the defaults of ``loss``'s keywords; ``TypeError`` naming unknown ones."""
+    known = keyword_defaults(form, loss=loss, batch=batch)
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {unknown}; the {form} form takes {sorted(known)}")
+        raise TypeError(f"unexpected keyword argument(s) {unknown}; {loss} ({form} form) takes {sorted(known)}")
     return {**known, **options}
 
 
-def _spec_part(options: dict[str, Any]) -> dict[str, Any]:
+def spec_part(options: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``options`` that are :class:`LossSpec` fields."""
     return {k: v for k, v in options.items() if k in _DEFAULTS}
 
 
-def keyword_signature(fn: Callable, form: str, *, batch: bool = True) -> Callable:
-    """Give ``fn(..., **options)`` the signature that lists the ``form``'s keywords (``help``,
-    ``inspect.signature``, editors); the keywords themselves are declared once, on :class:`LossSpec`."""
+def keyword_signature(fn: Callable, form: str, *, loss: str = "cross_entropy", batch: bool = True) -> Callable:
+    """Give ``fn(..., **options)`` the signature that lists the keywords of ``loss``'s ``form``
+    (``help``, ``inspect.signature``, editors); they are declared once, on :class:`LossSpec`."""
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-               for name, default in keyword_defaults(form, batch=batch).items() if name not in sig.parameters]
+               for name, default in keyword_defaults(form, loss=loss, batch=batch).items()
+               if name not in sig.parameters]
     fn.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return fn
 
@@ -239,7 +270,8 @@ def linear_auto_chunk(device: torch.device) -> tuple[int, int]:
     return LINEAR_AUTO_CHUNK_ROWS, LINEAR_AUTO_CHUNK_BYTES
 
 
-def _chunk_rows(chunk_size: ChunkSize, row_bytes: int, auto_bytes: Optional[int], auto_rows: Optional[int]) -> int:
+def requested_chunk_rows(chunk_size: ChunkSize, row_bytes: int, auto_bytes: Optional[int],
+                         auto_rows: Optional[int]) -> int:
     """Rows per chunk before clamping to the row count; 0 for one chunk."""
     check_chunk_size(chunk_size)
     if chunk_size is None:
@@ -264,136 +296,5 @@ def resolve_chunk_size(
     ``"auto"`` takes ``auto_rows`` rows (no limit when None), fewer where one fp32 chunk would
     pass ``auto_bytes`` (default ``AUTO_CHUNK_BYTES``); ``None`` is one chunk.
     """
-    rows = _chunk_rows(chunk_size, row_bytes, auto_bytes, auto_rows)
+    rows = requested_chunk_rows(chunk_size, row_bytes, auto_bytes, auto_rows)
     return max(1, n_rows if rows == 0 else min(rows, n_rows))
-
-
-# --- tensors -----------------------------------------------------------------------------------
-
-
-def _check_labels(labels: object, batch_shape: torch.Size, device: torch.device, what: str) -> torch.Tensor:
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
-    if labels.shape != batch_shape:
-        raise ValueError(
-            f"labels must have shape {tuple(batch_shape)} ({what} without its last dim), got {tuple(labels.shape)}"
-        )
-    if labels.device != device:
-        raise ValueError(f"labels are on {labels.device} but {what} is on {device}; move both to one device")
-    return labels
-
-
-def _check_token_tensor(name: str, t: Optional[torch.Tensor], batch_shape: torch.Size, device: torch.device) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if t.shape != batch_shape:
-        raise ValueError(f"{name} must have shape {tuple(batch_shape)} (one value per label), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the logits are on {device}")
-    if name == "weights" and not t.dtype.is_floating_point:
-        raise TypeError(f"weights must be a floating-point tensor, got {t.dtype}")
-
-
-def _check_count(reduction: str, num_label_tokens: object) -> None:
-    """A finite count >= 0 with a scalar reduction: a number, or a one-element tensor whose value
-    is checked in eager mode only (a device read-back; not under torch.compile)."""
-    if num_label_tokens is None:
-        return
-    if reduction == "none":
-        raise ValueError(
-            'num_label_tokens divides a summed loss and needs reduction="mean" or "sum", got reduction="none"'
-        )
-    if isinstance(num_label_tokens, torch.Tensor):
-        if num_label_tokens.numel() != 1:
-            raise ValueError(
-                f"num_label_tokens must be a scalar, got a tensor of shape {tuple(num_label_tokens.shape)}"
-            )
-        if num_label_tokens.dtype == torch.bool or num_label_tokens.is_complex():
-            raise TypeError(f"num_label_tokens must be a real number tensor, got {num_label_tokens.dtype}")
-        if torch.compiler.is_compiling():
-            return
-        value = float(num_label_tokens.detach().reshape(()).item())
-    elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
-        raise TypeError(f"num_label_tokens must be a number or a scalar tensor, got {num_label_tokens!r}")
-    else:
-        value = float(num_label_tokens)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"num_label_tokens must be a finite count >= 0, got {value!r}")
-
-
-def _check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU)."""
-    if labels.numel() == 0 or torch.compiler.is_compiling():
-        return
-    bad = ((labels < 0) | (labels >= n_classes)) & (labels != ignore_index)
-    if bool(bad.any()):
-        first = labels[bad][0].item()
-        raise ValueError(
-            f"labels must be in [0, {n_classes}) or equal ignore_index={ignore_index}; got {int(bad.sum())} "
-            f"label(s) outside, e.g. {first}"
-        )
-
-
-# --- the spec of a call ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """The per-token inputs of a call, checked.
-
-    Attributes:
-        labels: ``[N]`` int64, ``ignore_index`` wherever the label was ignored or masked.
-        batch_shape: the caller's token shape ``[...]`` (``N`` is its product).
-        weights: ``[...]`` per-token multipliers or None.
-        num_label_tokens: the denominator of a scalar reduction, or None.
-    """
-
-    labels: torch.Tensor
-    batch_shape: torch.Size
-    weights: Optional[torch.Tensor]
-    num_label_tokens: Count
-
-
-def make_spec(
-    form: str,
-    options: dict[str, Any],
-    labels: object,
-    *,
-    batch_shape: torch.Size,
-    n_classes: int,
-    device: torch.device,
-    row_classes: Optional[int] = None,
-    vocab_start: int = 0,
-) -> tuple[LossSpec, Tokens]:
-    """Check a call's keyword ``options`` and per-token inputs; return its spec and tokens.
-
-    ``form`` is ``"logits"`` or ``"hidden"`` (it names the float input in messages);
-    ``n_classes`` the full vocabulary size; ``row_classes`` the columns one chunk row holds (this
-    process's slice under vocabulary parallelism, default ``n_classes``); ``vocab_start`` where
-    that slice starts.
-    """
-    opts = _with_defaults(form, options)
-    if form == "logits" and opts["inplace_grad"] is True and torch.compiler.is_compiling():
-        # Functionalization would clone the logits and still destroy them: keep them instead
-        # (documented; dynamo cannot trace a logging call here without a graph break).
-        opts["inplace_grad"] = False
-    auto_rows, auto_bytes = linear_auto_chunk(device) if form == "hidden" else (None, None)
-    row_bytes = (n_classes if row_classes is None else row_classes) * 4
-    spec = LossSpec(
-        **_spec_part(opts), form=form, chunk_rows=_chunk_rows(opts["chunk_size"], row_bytes, auto_bytes, auto_rows),
-        vocab_start=vocab_start, n_classes=n_classes,
-    )
-    labels = _check_labels(labels, batch_shape, device, form)
-    mask, weights, count = opts["mask"], opts["weights"], opts["num_label_tokens"]
-    _check_token_tensor("mask", mask, batch_shape, device)
-    _check_token_tensor("weights", weights, batch_shape, device)
-    _check_count(spec.reduction, count)
-    _check_label_range(labels, n_classes, spec.ignore_index)
-    labels1d = labels.reshape(-1).long()
-    if mask is not None:
-        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, spec.ignore_index)
-    return spec, Tokens(labels1d, batch_shape, weights, count)

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from .. import driver
-from ..spec import make_spec
+from ..inputs import make_spec
 
 LOGITS_LAYOUTS = (
     "logits: Shard(-1) (the vocabulary) on at most one mesh dim and Replicate() on every other mesh dim"

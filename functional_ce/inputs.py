@@ -1,0 +1,156 @@
+"""The per-token inputs of a loss call, checked, and the call's :class:`~functional_ce.spec.LossSpec`.
+
+:func:`make_spec` is where every public loss (each form, each layout) turns its keywords and its
+labels, mask, weights and token count into a spec and :class:`Tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Optional
+
+import torch
+
+from .spec import Count, LossSpec, linear_auto_chunk, requested_chunk_rows, spec_part, with_defaults
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def _check_labels(labels: object, batch_shape: torch.Size, device: torch.device, what: str) -> torch.Tensor:
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (int64 or int32), got {labels.dtype}")
+    if labels.shape != batch_shape:
+        raise ValueError(
+            f"labels must have shape {tuple(batch_shape)} ({what} without its last dim), got {tuple(labels.shape)}"
+        )
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but {what} is on {device}; move both to one device")
+    return labels
+
+
+def _check_token_tensor(name: str, t: Optional[torch.Tensor], batch_shape: torch.Size, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.shape != batch_shape:
+        raise ValueError(f"{name} must have shape {tuple(batch_shape)} (one value per label), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the logits are on {device}")
+    if name == "weights" and not t.dtype.is_floating_point:
+        raise TypeError(f"weights must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_count(reduction: str, num_label_tokens: object) -> None:
+    """A finite count >= 0 with a scalar reduction: a number, or a one-element tensor whose value
+    is checked in eager mode only (a device read-back; not under torch.compile)."""
+    if num_label_tokens is None:
+        return
+    if reduction == "none":
+        raise ValueError(
+            'num_label_tokens divides a summed loss and needs reduction="mean" or "sum", got reduction="none"'
+        )
+    if isinstance(num_label_tokens, torch.Tensor):
+        if num_label_tokens.numel() != 1:
+            raise ValueError(
+                f"num_label_tokens must be a scalar, got a tensor of shape {tuple(num_label_tokens.shape)}"
+            )
+        if num_label_tokens.dtype == torch.bool or num_label_tokens.is_complex():
+            raise TypeError(f"num_label_tokens must be a real number tensor, got {num_label_tokens.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        value = float(num_label_tokens.detach().reshape(()).item())
+    elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
+        raise TypeError(f"num_label_tokens must be a number or a scalar tensor, got {num_label_tokens!r}")
+    else:
+        value = float(num_label_tokens)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"num_label_tokens must be a finite count >= 0, got {value!r}")
+
+
+def _check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU)."""
+    if labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    bad = ((labels < 0) | (labels >= n_classes)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = labels[bad][0].item()
+        raise ValueError(
+            f"labels must be in [0, {n_classes}) or equal ignore_index={ignore_index}; got {int(bad.sum())} "
+            f"label(s) outside, e.g. {first}"
+        )
+
+
+# --- the spec of a call ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """The per-token inputs of a call, checked.
+
+    Attributes:
+        labels: ``[N]`` int64, ``ignore_index`` wherever the label was ignored or masked.
+        batch_shape: the caller's token shape ``[...]`` (``N`` is its product).
+        weights: ``[...]`` per-token multipliers or None.
+        num_label_tokens: the denominator of a scalar reduction, or None.
+    """
+
+    labels: torch.Tensor
+    batch_shape: torch.Size
+    weights: Optional[torch.Tensor]
+    num_label_tokens: Count
+
+
+def make_spec(
+    form: str,
+    options: dict[str, Any],
+    labels: object,
+    *,
+    batch_shape: torch.Size,
+    n_classes: int,
+    device: torch.device,
+    loss: str = "cross_entropy",
+    row_classes: Optional[int] = None,
+    vocab_start: int = 0,
+    teacher_grad: bool = False,
+) -> tuple[LossSpec, Tokens]:
+    """Check a call's keyword ``options`` and per-token inputs; return its spec and tokens.
+
+    ``form`` is ``"logits"`` or ``"hidden"`` (it names the float input in messages); ``loss`` a
+    key of :data:`functional_ce.chunk.LOSSES`; ``n_classes`` the full vocabulary size;
+    ``row_classes`` the columns one chunk row holds (this process's slice under vocabulary
+    parallelism, default ``n_classes``); ``vocab_start`` where that slice starts. ``labels`` may
+    be None for a loss that needs none (distillation): every token then counts, unless masked.
+    """
+    opts = with_defaults(form, options, loss=loss)
+    if opts.get("inplace_grad") is True and torch.compiler.is_compiling():
+        # Functionalization would clone the logits and still destroy them: keep them instead
+        # (documented; dynamo cannot trace a logging call here without a graph break).
+        opts["inplace_grad"] = False
+    auto_rows, auto_bytes = linear_auto_chunk(device) if form == "hidden" else (None, None)
+    # a distillation chunk holds two [c, V] blocks of fp32 logits
+    row_bytes = (n_classes if row_classes is None else row_classes) * 4 * (2 if loss == "distillation" else 1)
+    fixed = {"reduction": "none"} if loss == "token_logprobs" else {}
+    spec = LossSpec(
+        **spec_part(opts), **fixed, loss=loss, form=form, vocab_start=vocab_start, n_classes=n_classes,
+        chunk_rows=requested_chunk_rows(opts["chunk_size"], row_bytes, auto_bytes, auto_rows),
+        teacher_grad=teacher_grad,
+    )
+    mask, weights, count = (opts.get(k) for k in ("mask", "weights", "num_label_tokens"))
+    _check_token_tensor("mask", mask, batch_shape, device)
+    _check_token_tensor("weights", weights, batch_shape, device)
+    _check_count(spec.reduction, count)
+    if labels is None:  # every token counts: any label value but ignore_index
+        labels1d = torch.full((math.prod(batch_shape),), int(spec.ignore_index == 0), dtype=torch.long, device=device)
+    else:
+        labels = _check_labels(labels, batch_shape, device, form)
+        _check_label_range(labels, n_classes, spec.ignore_index)
+        labels1d = labels.reshape(-1).long()
+    if mask is not None:
+        labels1d = torch.where(mask.reshape(-1).bool(), labels1d, spec.ignore_index)
+    return spec, Tokens(labels1d, batch_shape, weights, count)

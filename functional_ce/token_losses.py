@@ -1,0 +1,208 @@
+"""Per-token log-probabilities with entropy, and distillation, from logits and from hidden states.
+
+The same chunk driver as cross-entropy runs them (:mod:`functional_ce.driver`); their chunk maths
+is in :mod:`functional_ce.maths`. Their keyword options are declared once, on
+:class:`~functional_ce.spec.LossSpec`; each function's signature lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+
+from . import driver
+from .inputs import make_spec
+from .loss import _autocast_inputs, _check_linear_inputs, check_float, is_dtensor
+from .spec import keyword_signature
+
+LogProbs = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _split(rows: torch.Tensor, return_entropy: bool) -> LogProbs:
+    return tuple(rows.unbind(-1)) if return_entropy else rows  # type: ignore[return-value]
+
+
+def _check_logits(name: str, logits: object) -> torch.Tensor:
+    logits = check_float(name, logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{name} must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
+    return logits
+
+
+def _refuse_dtensor(*tensors: object) -> None:
+    if any(is_dtensor(t) for t in tensors):
+        raise NotImplementedError(
+            "token_logprobs and the distillation losses do not take DTensors yet; pass the local tensors "
+            "of an unsharded vocabulary"
+        )
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -> LogProbs:
+    """Each token's log-probability of its label (and the entropy) under ``softmax(z)``, in fp32.
+
+    ``z = softcap * tanh(logits / softcap)`` (when ``softcap``), then ``z / temperature``. Same
+    result as ``torch.log_softmax(z.float(), -1).gather(-1, labels[..., None])[..., 0]`` (TRL's
+    ``selective_log_softmax``) and ``-(softmax(z) * log_softmax(z)).sum(-1)`` (its
+    ``entropy_from_logits``, with ``0 * log 0 = 0``), without an ``[N, V]`` fp32 copy: forward and
+    backward hold a few fp32 chunks of ``chunk_size x V`` and O(N) statistics. Any upstream
+    gradient on the log-probs and on the entropy is exact (backward recomputes each chunk's
+    softmax from the saved logsumexp).
+
+    Args:
+        logits: ``[..., V]`` float32, bfloat16 or float16, any strides.
+        labels: ``[...]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
+        temperature: a finite number > 0 (default 1.0): the sampling temperature.
+        softcap: None or a finite number > 0 (Gemma 2/3's final-logit softcap).
+        ignore_index: label value whose outputs are 0 with zero gradient (default -100).
+        mask: ``[...]`` bool or 0/1; zero positions are ignored like ``ignore_index``.
+        return_entropy: also return the entropy of each token's distribution.
+        chunk_size, compile_chunks: as in :func:`functional_ce.cross_entropy`.
+
+    Returns:
+        ``logp`` fp32 ``[...]``, 0 where ignored; with ``return_entropy``, ``(logp, entropy)``.
+
+    Raises:
+        TypeError / ValueError: bad types, shapes, a temperature that is not finite and > 0, labels
+        out of range (checked in eager mode only), or an unknown keyword.
+    """
+    logits = _check_logits("logits", logits)
+    _refuse_dtensor(logits, labels)
+    n_classes = logits.shape[-1]
+    spec, tokens = make_spec("logits", options, labels, loss="token_logprobs", batch_shape=logits.shape[:-1],
+                             n_classes=n_classes, device=logits.device)
+    rows = driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
+    return _split(rows, spec.return_entropy)
+
+
+def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                          bias: Optional[torch.Tensor] = None, **options: Any) -> LogProbs:
+    """:func:`token_logprobs` of the logits ``hidden @ weight.T + bias``, without ever building them.
+
+    Each chunk of ``chunk_size`` token rows builds its ``[c, V]`` logits, its statistics, and drops
+    them; rows whose label is ignored take part in no matmul. The upstream gradient is per token
+    (an advantage, a ratio, an entropy bonus), so the gradients cannot be computed in forward:
+    autograd saves ``hidden``, ``weight``, ``bias``, the labels and one or two fp32 values per row,
+    and backward recomputes each chunk's logits (one more matmul per chunk than the logits path).
+    The weight and bias gradients are accumulated in fp32 and returned in the weight's dtype.
+
+    Args:
+        hidden: ``[..., H]`` float32, bfloat16 or float16; weight ``[V, H]`` and bias ``[V]`` or
+            None of its dtype and device. Under ``torch.autocast`` all three are cast first.
+        labels, temperature, softcap, ignore_index, mask, return_entropy, compile_chunks: as in
+            :func:`token_logprobs`; chunk_size as in :func:`functional_ce.linear_cross_entropy`.
+
+    Returns:
+        ``logp`` fp32 ``[...]`` (0 where ignored), or ``(logp, entropy)`` with ``return_entropy``.
+    """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    _check_linear_inputs(hidden, weight, bias)
+    _refuse_dtensor(hidden, weight, bias, labels)
+    n_classes, width = weight.shape
+    spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
+                             n_classes=n_classes, device=hidden.device)
+    rows = driver.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
+    return _split(rows, spec.return_entropy)
+
+
+def _check_pair(student: torch.Tensor, teacher: torch.Tensor, what: str) -> None:
+    if is_dtensor(student) != is_dtensor(teacher):
+        raise ValueError(f"student and teacher {what} must share one layout: one is a DTensor and the other is not")
+    if teacher.device != student.device:
+        raise ValueError(f"student {what} are on {student.device} but the teacher's are on {teacher.device}")
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
+                      labels: Optional[torch.Tensor] = None, **options: Any) -> torch.Tensor:
+    """TRL GKD's generalized Jensen-Shannon divergence between a student and a teacher, in fp32.
+
+    With ``p_s = softmax(student / T)``, ``p_t = softmax(teacher / T)`` (``T = temperature``, no
+    ``T**2`` factor, as in TRL): ``beta=0`` is ``KL(p_t || p_s)``, ``beta=1`` is ``KL(p_s || p_t)``,
+    otherwise ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with
+    ``m = beta * p_t + (1 - beta) * p_s``; per token, summed over the vocabulary (``0 * log 0 =
+    0``). No ``[N, V]`` buffer is built beyond the logits' gradients. Gradients reach the student's
+    logits, and the teacher's when they require grad.
+
+    Args:
+        student_logits, teacher_logits: ``[..., V]`` of one shape, float32 / bfloat16 / float16.
+        labels: ``[...]`` integer ids or None: a token counts where ``labels != ignore_index``
+            and ``mask`` is nonzero (each when given); every token counts when neither is given.
+        beta: in [0, 1] (default 0.5). temperature: finite, > 0 (default 1.0).
+        ignore_index, mask, num_label_tokens, chunk_size, compile_chunks: as in
+            :func:`functional_ce.cross_entropy`.
+        reduction: ``"mean"`` over counted tokens (0 when none), ``"sum"``, or ``"none"`` (fp32
+            ``[...]``, 0 where not counted).
+
+    Returns:
+        fp32 scalar, or ``[...]`` with ``reduction="none"``.
+    """
+    student_logits = _check_logits("student_logits", student_logits)
+    teacher_logits = _check_logits("teacher_logits", teacher_logits)
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits {tuple(teacher_logits.shape)} "
+            "must have one shape (the same tokens and vocabulary)"
+        )
+    _check_pair(student_logits, teacher_logits, "logits")
+    _refuse_dtensor(student_logits, teacher_logits, labels)
+    n_classes = student_logits.shape[-1]
+    spec, tokens = make_spec("logits", options, labels, loss="distillation", batch_shape=student_logits.shape[:-1],
+                             n_classes=n_classes, device=student_logits.device,
+                             teacher_grad=teacher_logits.requires_grad)
+    flat = [t.reshape(-1, n_classes) for t in (student_logits, teacher_logits)]
+    return driver.loss_rows(flat[0], None, None, tokens, spec, second=(flat[1], None, None))
+
+
+def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
+                             teacher_hidden: torch.Tensor, teacher_weight: torch.Tensor, *,
+                             student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None,
+                             labels: Optional[torch.Tensor] = None, **options: Any) -> torch.Tensor:
+    """:func:`distillation_loss` of ``student_hidden @ student_weight.T + student_bias`` and the
+    teacher's logits, without ever building either.
+
+    The teacher's hidden size may differ from the student's; the vocabulary is the same. With a
+    scalar reduction and gradients required, forward computes the gradients for a unit upstream
+    gradient (each chunk's two logits built once) and backward scales them, unless
+    ``recompute_logits_in_backward=True``; ``"none"`` always recomputes in backward.
+
+    Args:
+        student_hidden: ``[..., H]``; student_weight ``[V, H]``; teacher_hidden ``[..., Ht]`` (same
+            token shape); teacher_weight ``[V, Ht]``; biases ``[V]`` or None; float32 / bfloat16 /
+            float16, each head of one dtype, all on one device.
+        labels, beta, temperature, ignore_index, mask, reduction, num_label_tokens, chunk_size,
+            compile_chunks: as in :func:`distillation_loss`.
+        recompute_logits_in_backward: as in :func:`functional_ce.linear_cross_entropy`.
+
+    Returns:
+        fp32 scalar, or ``[...]`` with ``reduction="none"``.
+    """
+    heads = []
+    for who, h, w, b in (("student", student_hidden, student_weight, student_bias),
+                         ("teacher", teacher_hidden, teacher_weight, teacher_bias)):
+        h, w, b = _autocast_inputs(h, w, b)
+        try:
+            _check_linear_inputs(h, w, b)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{who}: {exc}") from None
+        heads.append((h, w, b))
+    (hs, ws, bs), (ht, wt, bt) = heads
+    if hs.shape[:-1] != ht.shape[:-1]:
+        raise ValueError(f"student_hidden {tuple(hs.shape)} and teacher_hidden {tuple(ht.shape)} must have one "
+                         "token shape [...]")
+    if ws.shape[0] != wt.shape[0]:
+        raise ValueError(f"student_weight has {ws.shape[0]} classes and teacher_weight {wt.shape[0]}: the "
+                         "vocabularies must be the same")
+    _check_pair(hs, ht, "hidden states")
+    _refuse_dtensor(hs, ws, bs, ht, wt, bt, labels)
+    n = math.prod(hs.shape[:-1])
+    teacher_grad = any(t is not None and t.requires_grad for t in (ht, wt, bt))
+    spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
+                             n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
+    return driver.loss_rows(hs.reshape(n, -1), ws, bs, tokens, spec, second=(ht.reshape(n, -1), wt, bt))
+
+
+keyword_signature(token_logprobs, "logits", loss="token_logprobs")
+keyword_signature(linear_token_logprobs, "hidden", loss="token_logprobs")
+keyword_signature(distillation_loss, "logits", loss="distillation")
+keyword_signature(linear_distillation_loss, "hidden", loss="distillation")
