@@ -51,12 +51,14 @@ _SixTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 
 def _operator(name: str, impl: Callable, fake: Callable, *, mutates: Sequence[str] = (),
-              backward: Optional[Backward] = None, save: Sequence[str] = ()) -> Any:
+              backward: Optional[Backward] = None,
+              save: Union[Sequence[str], Callable[[dict], Sequence[str]]] = ()) -> Any:
     """Register ``impl`` as the custom operator ``functional_ce::name`` with its fake kernel.
 
     With ``backward``, autograd is registered too: ``save`` names the inputs (``impl``'s parameter
     names) and outputs (``"out0"``, ``"out1"``...) kept for backward (tensors through
-    ``save_for_backward``, anything else as it is), which is called as
+    ``save_for_backward``, anything else as it is; or a function of the call's named inputs and
+    outputs that returns those names), which is called as
     ``backward(saved: dict, spec, needs: dict, grad_out0)`` and returns gradients by input name;
     inputs it leaves out get None. Only the first output is differentiable.
     """
@@ -73,8 +75,9 @@ def _operator(name: str, impl: Callable, fake: Callable, *, mutates: Sequence[st
         ctx.mark_non_differentiable(*outputs[1:])
         ctx.set_materialize_grads(False)  # no zero-filled gradients of the other outputs
         ctx.spec = decode(named["spec"])
-        ctx.tensor_names = [n for n in save if named[n] is None or isinstance(named[n], torch.Tensor)]
-        ctx.constants = {n: named[n] for n in save if n not in ctx.tensor_names}
+        names = save(named) if callable(save) else save
+        ctx.tensor_names = [n for n in names if named[n] is None or isinstance(named[n], torch.Tensor)]
+        ctx.constants = {n: named[n] for n in names if n not in ctx.tensor_names}
         ctx.save_for_backward(*(named[n] for n in ctx.tensor_names))
 
     def autograd_backward(ctx: Any, grad: Optional[torch.Tensor], *unused: Any) -> tuple:
@@ -356,8 +359,14 @@ def _fused_backward(saved: dict, spec: LossSpec, needs: dict, grad_loss: torch.T
     return dict(zip(_HEAD, grads), coef=grad_coef)
 
 
-_fused = _operator("fused", _fused_impl, _fused_fake, backward=_fused_backward,
-                   save=("out1", "out2", "out3", "out4", "out5", "out6", "out7", *_HEAD, "needs"))
+def _fused_saves(named: dict) -> tuple[str, ...]:
+    """The loss rows and the computed gradients (the second input's only when it gets them: its
+    outputs are empty placeholders otherwise), the inputs and the flags."""
+    second = named["hidden2"] is not None and decode(named["spec"]).teacher_grad
+    return ("out1", "out2", "out3", "out4", *(("out5", "out6", "out7") if second else ()), *_HEAD, "needs")
+
+
+_fused = _operator("fused", _fused_impl, _fused_fake, backward=_fused_backward, save=_fused_saves)
 
 
 # --- the reduction ---------------------------------------------------------------------------
