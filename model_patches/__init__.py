@@ -27,6 +27,12 @@ _LAZY.update(
     HiddenStateLossHandle="hidden_state_loss",
 )
 
+# RL log-probs and distillation from hidden states (no logits)
+_LAZY.update(
+    causal_lm_token_logprobs="logprob_loss",
+    causal_lm_distillation_loss="logprob_loss",
+)
+
 __all__: list[str] = sorted(_LAZY)
 
 

@@ -52,16 +52,19 @@ _LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_ke
 _warned_types: set[str] = set()
 
 
-def _refuse(model: nn.Module, why: str, fix: str) -> None:
-    raise ValueError(f"causal_lm_loss cannot run {type(model).__name__}: {why}. {fix}")
+def _refuse(model: nn.Module, why: str, fix: str, who: str = "causal_lm_loss") -> None:
+    raise ValueError(f"{who} cannot run {type(model).__name__}: {why}. {fix}")
 
 
-def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
+def _head_and_decoder(model: nn.Module, who: str = "causal_lm_loss") -> tuple[nn.Linear, nn.Module]:
+    """``model``'s output embedding (a plain ``nn.Linear``) and decoder; refuses, naming ``who``
+    (the calling function) in the message, a model whose logits are not ``lm_head(decoder(...))``
+    [then ``final_logit_softcapping``]."""
     config = getattr(model, "config", None)
     if config is None:
-        _refuse(model, "it has no .config", "Pass a Hugging Face *ForCausalLM model")
+        _refuse(model, "it has no .config", "Pass a Hugging Face *ForCausalLM model", who)
     if getattr(config, "is_encoder_decoder", False):
-        _refuse(model, "it is an encoder-decoder model", "Use model(**batch, labels=...) for it")
+        _refuse(model, "it is an encoder-decoder model", "Use model(**batch, labels=...) for it", who)
     for attr in _LOGIT_TRANSFORMS:
         value = getattr(config, attr, None)
         if value is not None and value != 1.0:
@@ -69,6 +72,7 @@ def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
                 model,
                 f"its forward scales the logits (config.{attr}={value!r}), which this loss does not reproduce",
                 "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
+                who,
             )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or _module_class(head) is not nn.Linear:
@@ -77,17 +81,18 @@ def _head_and_decoder(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
             f"its output embedding is {type(head).__name__}, not a plain torch.nn.Linear "
             "(wrapped, quantised or missing heads change the logits in ways this loss cannot see)",
             "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
+            who,
         )
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
     if not isinstance(decoder, nn.Module) or decoder is model:
-        _refuse(model, "it exposes no decoder (get_decoder() / .model)", "Pass a *ForCausalLM model")
+        _refuse(model, "it exposes no decoder (get_decoder() / .model)", "Pass a *ForCausalLM model", who)
     model_type = str(getattr(config, "model_type", ""))
     if model_type not in VERIFIED_MODEL_TYPES and model_type not in _warned_types:
         _warned_types.add(model_type)
         logger.warning(
-            "causal_lm_loss: model_type %r was not verified; assuming logits = lm_head(decoder(...)) "
+            "%s: model_type %r was not verified; assuming logits = lm_head(decoder(...)) "
             "[then final_logit_softcapping]. Compare one step against model(**batch, labels=...) once.",
-            model_type,
+            who, model_type,
         )
     return head, decoder
 
@@ -116,6 +121,32 @@ def _module_class(module: nn.Module) -> type:
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+
+
+def _decoder_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a ``model(...)`` batch that the decoder takes (the loss-only ones removed)."""
+    inputs = {k: v for k, v in batch.items() if k not in _LOSS_ONLY_KEYS}
+    # A loss never needs a KV cache; building one also switches off Transformers' detection of
+    # packed rows from position_ids (5.x), which lets packed documents attend to each other.
+    inputs.setdefault("use_cache", False)
+    return inputs
+
+
+def _last_hidden_state(decoder: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The decoder's last hidden state ``[B, T, H]`` (its own dtype)."""
+    out = decoder(**inputs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _shifted_labels(
+    labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor], ignore_index: int, device: torch.device
+) -> torch.Tensor:
+    """Labels aligned with the positions that predict them, ``[B, T]`` on ``device``:
+    ``shift_labels`` as given, else ``labels`` shifted left by one as Transformers does
+    (position t scores token t+1; the last position gets ``ignore_index``)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels.to(device), (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.to(device)
 
 
 def _inside_call(module: nn.Module, fn: Any) -> Any:
@@ -174,10 +205,7 @@ def causal_lm_loss(
             "this function does not add",
             "Pass output_router_logits=False and add the auxiliary loss from the decoder's router_logits yourself",
         )
-    inputs = {k: v for k, v in batch.items() if k not in _LOSS_ONLY_KEYS}
-    # A loss never needs a KV cache; building one also switches off Transformers' detection of
-    # packed rows from position_ids (5.x), which lets packed documents attend to each other.
-    inputs.setdefault("use_cache", False)
+    inputs = _decoder_inputs(batch)
     step = lambda: _loss_from_decoder(model, head, decoder, inputs, labels, shift_labels, num_items,  # noqa: E731
                                       ignore_index, chunk_size, compile_chunks)
     in_model_call = getattr(_IN_MODEL_CALL, "active", False)  # called from the patched forward
@@ -190,12 +218,8 @@ def _loss_from_decoder(
 ) -> torch.Tensor:
     """The decoder's last hidden state, then the hidden-state loss on the output embedding."""
     config = model.config
-    out = decoder(**inputs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-    if shift_labels is None:
-        shift_labels = F.pad(labels.to(hidden.device), (0, 1), value=ignore_index)[..., 1:]
-    shift_labels = shift_labels.to(hidden.device)
+    hidden = _last_hidden_state(decoder, inputs)
+    shift_labels = _shifted_labels(labels, shift_labels, ignore_index, hidden.device)
     softcap = getattr(config, "final_logit_softcapping", None)
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
