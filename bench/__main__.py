@@ -24,6 +24,7 @@ import torch
 SECTIONS = {
     "ce": "bench.ce_logits",
     "lce": "bench.ce_hidden",
+    "logprobs": "bench.logprobs",
     "dist": "bench.dist",
     "packing": "bench.packing",
     "ac": "bench.ac",
