@@ -31,12 +31,22 @@ def _check_logits(name: str, logits: object) -> torch.Tensor:
     return logits
 
 
-def _refuse_dtensor(*tensors: object) -> None:
-    if any(is_dtensor(t) for t in tensors):
-        raise NotImplementedError(
-            "token_logprobs and the distillation losses do not take DTensors yet; pass the local tensors "
-            "of an unsharded vocabulary"
-        )
+def _vocab_parallel(form: str, x: Any, weight: Any, bias: Any, labels: Any, options: dict[str, Any], loss: str,
+                    **teacher: Any) -> torch.Tensor:
+    from .distributed.vocab import vocab_parallel_loss
+
+    return vocab_parallel_loss(form, x, weight, bias, labels, options, loss=loss, **teacher)
+
+
+def _gathered(weight: Any, bias: Any) -> tuple:
+    """FSDP2: the full weight and bias of a head whose parameters are sharded DTensors (plain
+    hidden states); plain tensors as they are."""
+    if not (is_dtensor(weight) or is_dtensor(bias)):
+        return weight, bias
+    from .distributed.fsdp import gathered_parameter
+
+    return (gathered_parameter(weight, "weight") if is_dtensor(weight) else weight,
+            gathered_parameter(bias, "bias") if is_dtensor(bias) else bias)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -> LogProbs:
@@ -63,12 +73,18 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
     Returns:
         ``logp`` fp32 ``[...]``, 0 where ignored; with ``return_entropy``, ``(logp, entropy)``.
 
+    Tensor parallel: ``logits`` may be a DTensor ``Shard(-1)`` over the vocabulary (as in
+    :func:`functional_ce.cross_entropy`): forward all-reduces 12 bytes per token (16 with the
+    entropy), backward communicates nothing, and the outputs are DTensors ``Replicate()``.
+
     Raises:
         TypeError / ValueError: bad types, shapes, a temperature that is not finite and > 0, labels
         out of range (checked in eager mode only), or an unknown keyword.
     """
     logits = _check_logits("logits", logits)
-    _refuse_dtensor(logits, labels)
+    if is_dtensor(logits):
+        rows = _vocab_parallel("logits", logits, None, None, labels, options, "token_logprobs")
+        return _split(rows, options.get("return_entropy", False))
     n_classes = logits.shape[-1]
     spec, tokens = make_spec("logits", options, labels, loss="token_logprobs", batch_shape=logits.shape[:-1],
                              n_classes=n_classes, device=logits.device)
@@ -95,10 +111,19 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
     Returns:
         ``logp`` fp32 ``[...]`` (0 where ignored), or ``(logp, entropy)`` with ``return_entropy``.
+
+    Layouts as in :func:`functional_ce.linear_cross_entropy`: ``weight`` (and ``bias``) a DTensor
+    ``Shard(0)`` with ``hidden`` a DTensor ``Replicate()`` or sequence-parallel (tensor
+    parallelism: O(N) statistics in forward, the hidden gradient's reduction in backward, outputs
+    ``Replicate()``); or sharded parameters with plain ``hidden`` (FSDP2: the weight is gathered
+    for the call, its gradient is the sum over processes, reduce-scattered to the shards).
     """
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear_inputs(hidden, weight, bias)
-    _refuse_dtensor(hidden, weight, bias, labels)
+    if is_dtensor(hidden):
+        rows = _vocab_parallel("hidden", hidden, weight, bias, labels, options, "token_logprobs")
+        return _split(rows, options.get("return_entropy", False))
+    weight, bias = _gathered(weight, bias)
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
                              n_classes=n_classes, device=hidden.device)
@@ -136,6 +161,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
     Returns:
         fp32 scalar, or ``[...]`` with ``reduction="none"``.
+
+    Tensor parallel: both logits may be DTensors ``Shard(-1)`` over the vocabulary, placed alike
+    (anything else is a ``ValueError``): forward all-reduces 24 bytes per token (20 for beta 0 or
+    1), backward nothing; the result is a DTensor ``Replicate()``.
     """
     student_logits = _check_logits("student_logits", student_logits)
     teacher_logits = _check_logits("teacher_logits", teacher_logits)
@@ -145,7 +174,9 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
             "must have one shape (the same tokens and vocabulary)"
         )
     _check_pair(student_logits, teacher_logits, "logits")
-    _refuse_dtensor(student_logits, teacher_logits, labels)
+    if is_dtensor(student_logits):
+        return _vocab_parallel("logits", student_logits, None, None, labels, options, "distillation",
+                               second=(teacher_logits, None, None), teacher_grad=teacher_logits.requires_grad)
     n_classes = student_logits.shape[-1]
     spec, tokens = make_spec("logits", options, labels, loss="distillation", batch_shape=student_logits.shape[:-1],
                              n_classes=n_classes, device=student_logits.device,
@@ -176,6 +207,10 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
 
     Returns:
         fp32 scalar, or ``[...]`` with ``reduction="none"``.
+
+    Layouts as in :func:`linear_token_logprobs`; under tensor parallelism the teacher's hidden
+    states and head are placed exactly as the student's (a ``ValueError`` otherwise), and the
+    combined statistics are computed once for both.
     """
     heads = []
     for who, h, w, b in (("student", student_hidden, student_weight, student_bias),
@@ -194,9 +229,12 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         raise ValueError(f"student_weight has {ws.shape[0]} classes and teacher_weight {wt.shape[0]}: the "
                          "vocabularies must be the same")
     _check_pair(hs, ht, "hidden states")
-    _refuse_dtensor(hs, ws, bs, ht, wt, bt, labels)
-    n = math.prod(hs.shape[:-1])
     teacher_grad = any(t is not None and t.requires_grad for t in (ht, wt, bt))
+    if is_dtensor(hs):
+        return _vocab_parallel("hidden", hs, ws, bs, labels, options, "distillation", second=(ht, wt, bt),
+                               teacher_grad=teacher_grad)
+    (ws, bs), (wt, bt) = _gathered(ws, bs), _gathered(wt, bt)
+    n = math.prod(hs.shape[:-1])
     spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
                              n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
     return driver.loss_rows(hs.reshape(n, -1), ws, bs, tokens, spec, second=(ht.reshape(n, -1), wt, bt))

@@ -1,6 +1,7 @@
 """The loss functions over a vocabulary sharded with DTensor (tensor parallelism).
 
-``cross_entropy`` and ``linear_cross_entropy`` hand DTensor inputs to :func:`vocab_parallel_loss`.
+Every loss of :mod:`functional_ce` (cross-entropy, token log-probs with entropy, distillation; each
+from logits and from hidden states) hands DTensor inputs to :func:`vocab_parallel_loss`.
 Each process runs the chunk driver on its own slice of the vocabulary (the logits' local shard, or
 the logits it builds from its rows of the LM head's weight); :func:`combine_stats` combines the
 per-slice statistics with O(N) collectives over the vocabulary's mesh dim, so every option keeps
@@ -124,21 +125,42 @@ def replicate_result(result: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 def combine_stats(stats: torch.Tensor, kinds: Sequence[str], vocab: VocabSlice) -> torch.Tensor:
     """Full-vocabulary statistics ``[N, k]`` fp32 from this slice's, column ``i`` of kind ``kinds[i]``.
 
-    Two all-reduces over the vocabulary's mesh dim: a MAX of the ``"lse"`` columns (4 bytes per
-    row and column), then one SUM of ``exp(lse_slice - max)`` and the ``"sum"`` columns (for
-    cross-entropy 12 bytes per row in all, 16 with label smoothing). No collective when the
-    vocabulary is not sharded.
+    Kinds (see :mod:`functional_ce.maths`): ``"lse"`` (a logsumexp), ``"sum"`` (a sum over the
+    slice) and ``"mean@j"`` (a mean under the slice's own softmax of the ``"lse"`` column ``j``;
+    the full mean weights each slice's by its mass ``exp(lse_slice - lse)``). Two all-reduces over
+    the vocabulary's mesh dim: a MAX of the ``"lse"`` columns (4 bytes per row and column; none
+    without such a column), then one SUM of ``exp(lse_slice - max)``, the ``"sum"`` columns and the
+    mass-weighted means, 4 bytes per row and column. Cross-entropy: 12 bytes per row in all, 16
+    with label smoothing; token log-probs 12, 16 with the entropy; distillation 16 for its
+    logsumexps, then 4 or 8 for its divergences. No collective when the vocabulary is not sharded.
     """
     if vocab.mesh_dim is None:
         return stats
     group = (vocab.mesh, vocab.mesh_dim)
     cols = stats.unbind(-1)
     lse = [i for i, kind in enumerate(kinds) if kind == "lse"]
-    top = funcol.all_reduce(torch.stack([cols[i] for i in lse], -1), "max", group)
-    top = torch.where(torch.isfinite(top), top, 0.0).unbind(-1)  # all -inf rows stay -inf, +inf rows +inf
-    parts = [torch.exp(c - top[lse.index(i)]) if i in lse else c for i, c in enumerate(cols)]
+    weighted_by = {i: int(kind.split("@")[1]) for i, kind in enumerate(kinds) if kind.startswith("mean@")}
+    unknown = [k for k in kinds if k not in ("lse", "sum") and not k.startswith("mean@")]
+    if unknown:
+        raise ValueError(f"unknown statistic kinds {unknown}; expected 'lse', 'sum' or 'mean@<lse column>'")
+    top: Sequence[torch.Tensor] = ()
+    if lse:  # a pass of plain sums (a divergence given the logsumexps) needs no MAX
+        top = funcol.all_reduce(torch.stack([cols[i] for i in lse], -1), "max", group)
+        top = torch.where(torch.isfinite(top), top, 0.0).unbind(-1)  # all -inf rows stay -inf, +inf rows +inf
+    mass = {i: torch.exp(cols[i] - top[lse.index(i)]) for i in lse}  # this slice's share, up to a factor
+    parts = [mass[i] if i in lse else cols[i] * mass[weighted_by[i]] if i in weighted_by else c
+             for i, c in enumerate(cols)]
     summed = funcol.all_reduce(torch.stack(parts, -1), "sum", group).unbind(-1)
-    return torch.stack([top[lse.index(i)] + torch.log(s) if i in lse else s for i, s in enumerate(summed)], -1)
+
+    def full(i: int, s: torch.Tensor) -> torch.Tensor:
+        if i in lse:
+            return top[lse.index(i)] + torch.log(s)
+        if i in weighted_by:  # sum_slices(mass * mean) / sum_slices(mass); 0 where no class has mass
+            total = summed[weighted_by[i]]
+            return torch.where(total > 0, s / torch.where(total > 0, total, 1.0), 0.0)
+        return s
+
+    return torch.stack([full(i, s) for i, s in enumerate(summed)], -1)
 
 
 def _check_hidden_layout(hidden: object, weight: DTensor, vocab: VocabSlice) -> DTensor:
@@ -199,30 +221,57 @@ def _local_hidden(hidden: object, weight: object, bias: object) -> tuple:
     return vocab, h, weight.to_local(), None if bias is None else bias.to_local()
 
 
-def vocab_parallel_loss(form: str, x: DTensor, weight: object, bias: object, labels: object,
-                        options: dict[str, Any]) -> DTensor:
-    """:func:`functional_ce.cross_entropy` (``form="logits"``, ``x`` a DTensor ``[..., V]``, see
-    :data:`LOGITS_LAYOUTS`) or :func:`functional_ce.linear_cross_entropy` (``form="hidden"``, see
-    :data:`WEIGHT_LAYOUTS`) over a vocabulary sharded with DTensor.
+def _same_layout(what: str, student: object, teacher: object) -> None:
+    """The teacher's DTensor must be placed like the student's (one mesh, the same placements)."""
+    if student is None and teacher is None:
+        return
+    if not isinstance(teacher, DTensor) or not isinstance(student, DTensor):
+        raise ValueError(f"student and teacher {what} must share one layout: one is a DTensor and the other is not")
+    if teacher.device_mesh != student.device_mesh or tuple(teacher.placements) != tuple(student.placements):
+        raise ValueError(
+            f"student and teacher {what} must share one layout: the student's are {_describe(student.placements)} "
+            f"on {student.device_mesh}, the teacher's {_describe(teacher.placements)} on {teacher.device_mesh}"
+        )
 
-    ``labels``, ``mask``, ``weights`` and a tensor ``num_label_tokens`` are plain tensors equal on
-    every process, or DTensors ``Replicate()`` on the input's mesh. With ``inplace_grad`` each
-    process's gradient shard overwrites its own local logits. No ``[N, V]`` or ``[N, V / p]``
-    tensor is built from hidden states; their backward recomputes each chunk's local logits.
-    Gradients have their inputs' placements. Returns a DTensor ``Replicate()``.
+
+def vocab_parallel_loss(form: str, x: DTensor, weight: object, bias: object, labels: object,
+                        options: dict[str, Any], *, loss: str = "cross_entropy",
+                        second: Optional[tuple] = None, teacher_grad: bool = False) -> DTensor:
+    """A loss of :mod:`functional_ce` (``loss``, a key of :data:`functional_ce.maths.LOSSES`) over a
+    vocabulary sharded with DTensor: from logits (``form="logits"``, ``x`` a DTensor ``[..., V]``,
+    see :data:`LOGITS_LAYOUTS`) or from hidden states (``form="hidden"``, see :data:`WEIGHT_LAYOUTS`).
+
+    ``second`` is the teacher ``(x2, weight2, bias2)`` of a distillation loss, placed exactly as
+    the student's inputs (its gradient is computed when ``teacher_grad``). ``labels``, ``mask``,
+    ``weights`` and a tensor ``num_label_tokens`` are plain tensors equal on every process, or
+    DTensors ``Replicate()`` on the input's mesh. With ``inplace_grad`` each process's gradient
+    shard overwrites its own local logits. No ``[N, V]`` or ``[N, V / p]`` tensor is built from
+    hidden states; their backward recomputes each chunk's local logits. Gradients have their
+    inputs' placements. Returns a DTensor ``Replicate()`` (``[..., m]`` for a loss with ``m``
+    outputs per token).
     """
+    x2, weight2, bias2 = (None, None, None) if second is None else second
+    if second is not None:
+        for what, a, b in (("logits" if form == "logits" else "hidden states", x, x2), ("weights", weight, weight2),
+                           ("biases", bias, bias2)):
+            if not (what == "biases" and (a is None or b is None)):
+                _same_layout(what, a, b)
     if form == "logits":
         vocab = vocab_slice(x, -1, "logits", LOGITS_LAYOUTS)
-        x_local, w, b = x.to_local().reshape(math.prod(x.shape[:-1]), vocab.size), None, None
+        n = math.prod(x.shape[:-1])
+        x_local, w, b = x.to_local().reshape(n, vocab.size), None, None
+        local2 = None if x2 is None else (x2.to_local().reshape(n, vocab.size), None, None)
     else:
         vocab, x_local, w, b = _local_hidden(x, weight, bias)
+        local2 = None if x2 is None else _local_hidden(x2, weight2, bias2)[1:]
     options = {name: replicated_local(name, t, vocab.mesh) if name in _TOKEN_ARGS else t
                for name, t in options.items()}
     labels = replicated_local("labels", labels, vocab.mesh)
-    spec, tokens = make_spec(form, options, labels, batch_shape=x.shape[:-1], n_classes=vocab.n_classes,
-                             device=x_local.device, row_classes=max(vocab.size, 1), vocab_start=vocab.start)
+    spec, tokens = make_spec(form, options, labels, loss=loss, batch_shape=x.shape[:-1], n_classes=vocab.n_classes,
+                             device=x_local.device, row_classes=max(vocab.size, 1), vocab_start=vocab.start,
+                             teacher_grad=teacher_grad)
     combine = functools.partial(combine_stats, vocab=vocab)
-    return replicate_result(driver.loss_rows(x_local, w, b, tokens, spec, combine), vocab.mesh)
+    return replicate_result(driver.loss_rows(x_local, w, b, tokens, spec, combine, second=local2), vocab.mesh)
 
 
 _TOKEN_ARGS = ("mask", "weights", "num_label_tokens")
