@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import functional_ce
 from tests.ce_cases import ROUNDING
@@ -197,9 +198,10 @@ def _grpo_kd_loss(hidden, weight, labels, old_logp, adv, t_hidden, t_weight):
     return pg.mean() - 0.01 * ent.mean() + kd
 
 
-def test_compile_ladder_fullgraph_no_breaks_no_recompile_when_only_the_token_count_changes():
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compile_ladder_fullgraph_no_breaks_no_recompile_when_only_the_token_count_changes(backend):
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(_grpo_kd_loss, backend=counter, fullgraph=True, dynamic=None)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(31, 8, generator=g).requires_grad_()
