@@ -24,7 +24,9 @@ fp32 ``s = log_softmax(student / T)``, ``t = log_softmax(teacher / T)`` and
 (1 - beta) * KL(s || m)`` summed over V; the loss is the fp32 mean over tokens.
   - from hidden states: student hidden ``[N, H]`` and weight ``[V, H]`` (require grad), teacher
     hidden ``[N, H]`` and weight ``[V, H]`` (no grad); eager (logits through ``F.linear``),
-    compiled, ``TRL ChunkedDivergenceFunction`` (trl>=1.16), ``functional_ce.linear_distillation_loss``;
+    compiled, ``TRL ChunkedDivergenceFunction`` (trl>=1.16), Liger-Kernel's ``LigerFusedLinearJSD``
+    (CUDA only; its generalized JSD with ``jsd_beta = beta``, mean over tokens),
+    ``functional_ce.linear_distillation_loss``;
   - from logits: student logits ``[N, V]`` (require grad) and teacher logits ``[N, V]``; eager,
     compiled and ``functional_ce.distillation_loss``.
 
@@ -113,7 +115,7 @@ def _full_path(impl: str, full: Callable[..., torch.Tensor], inputs: tuple[torch
                params: tuple[torch.Tensor, ...]) -> Callable[[], None]:
     """The step of ``full(*inputs)``, eager or under ``torch.compile``."""
     if impl not in ("eager", "compiled"):
-        raise ValueError(f'impl must be "eager", "compiled", "trl" or "ours", got {impl!r}')
+        raise ValueError(f'impl must be "eager", "compiled", "trl", "liger" or "ours", got {impl!r}')
     fn = torch.compile(full) if impl == "compiled" else full
     return _step(lambda: fn(*inputs), params)
 
@@ -166,6 +168,11 @@ def setup_distill_hidden(*, n: int, h: int, v: int, dtype: str, device: str, imp
 
         return _step(lambda: functional_ce.linear_distillation_loss(
             s_hidden, s_weight, t_hidden, t_weight, beta=BETA, temperature=temperature), params)
+    if impl == "liger":
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        jsd = LigerFusedLinearJSD(jsd_beta=BETA, temperature=temperature)  # mean over tokens, as the others
+        return _step(lambda: jsd(s_hidden, s_weight, t_hidden, t_weight), params)
 
     def full(sh: torch.Tensor, sw: torch.Tensor, th: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
         return generalized_jsd(F.linear(sh, sw).float() / temperature, F.linear(th, tw).float() / temperature)
@@ -204,6 +211,14 @@ def _trl_available(device: str) -> Optional[str]:
     return None if Version(version) >= Version("1.16") else f"trl {version} has no chunked kernels (needs >= 1.16)"
 
 
+def _liger_available(device: str) -> Optional[str]:
+    if not device.startswith("cuda"):
+        return "Liger-Kernel's fused linear JSD runs on CUDA only"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel not installed; pip install liger-kernel"
+    return None
+
+
 def _ours_available(name: str) -> Callable[[str], Optional[str]]:
     """None where ``functional_ce`` has ``name``, else the reason to leave the variant out."""
     return lambda device: None if hasattr(importlib.import_module("functional_ce"), name) else \
@@ -236,6 +251,7 @@ PROBLEMS = {
         "distillation, generalized JSD (beta=0.5) from hidden states", "bench.logprobs:setup_distill_hidden",
         {BASELINE: ("eager", _always), COMPILED: ("compiled", _always),
          "TRL ChunkedDivergenceFunction": ("trl", _trl_available),
+         "liger LigerFusedLinearJSD (CUDA)": ("liger", _liger_available),
          "functional_ce.linear_distillation_loss": ("ours", _ours_available("linear_distillation_loss"))},
         True, "distill_hidden",
         "student and teacher logits through F.linear, .float() / T, log_softmax each; TRL GKD's "
