@@ -20,14 +20,16 @@ For a scalar reduction from hidden states on one slice, gradients are computed i
 ``torch.compile(fullgraph=True)`` sees one node per step: no graph break, no recompile per chunk.
 Operators take tensors plus the spec as one string; :func:`_operator` registers them.
 
-**Adding a per-token loss over the vocabulary** (token log-probs, a divergence...): write its
-``stats`` / ``width`` / ``combine`` / ``rows`` / ``grad`` chunk functions in
-:mod:`functional_ce.chunk`, add a :class:`~functional_ce.chunk.LossMaths` entry (with its public
-names) to ``chunk.LOSSES`` and its name to the choices of ``LossSpec.loss``, and call
-:func:`loss_rows` from its public function with ``LossSpec(loss=...)``; a new option is a field
-of ``LossSpec``. Statistics that combine across slices by a logsumexp are ``"lse"``; sums of per-slice
-parts (a target logit, a logit sum) are ``"sum"``. The driver, the operators and the
-vocabulary-parallel layout serve it unchanged.
+**Adding a per-token loss over the vocabulary**: write its chunk functions in a module of
+:mod:`functional_ce.maths` (its statistics pass by pass, the kind of each statistic column, its
+per-row outputs and its gradient), add a :class:`~functional_ce.maths.LossMaths` entry (with its
+public names) to ``maths.LOSSES`` and its name to ``spec.LOSS_NAMES``, and call :func:`loss_rows`
+from its public function with the spec :func:`functional_ce.inputs.make_spec` makes for it; a new
+option is a field of ``LossSpec``. Statistics combine across slices by their kind: ``"lse"`` (a
+logsumexp), ``"sum"`` (a target logit, a logit sum), ``"mean@j"`` (a mean under the slice's
+softmax, such as the entropy's mean logit); a statistic that needs full-vocabulary values of
+another goes in a later pass. The driver, the operators and the vocabulary-parallel layout serve
+it unchanged (token log-probs and distillation were added so).
 """
 
 from __future__ import annotations
