@@ -110,9 +110,9 @@ def _run(spec: dict[str, Any]) -> Measurement:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = rss_bytes("VmRSS")
-        if not reset_peak_rss():
-            before = None
+        # the high-water mark right after its reset is the resident set it started from: reading
+        # VmRSS first instead could see pages that are released before the reset (a negative peak)
+        before = rss_bytes("VmHWM") if reset_peak_rss() else None
     times = []
     for _ in range(spec["repeats"]):
         sync()
