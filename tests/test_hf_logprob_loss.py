@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model_patches
+from model_patches.hidden_state_loss import VERIFIED_MODEL_TYPES
 from tests.hf_tiny import grads, packed_batch, padded_batch, tiny_model
 from tests.reference import reference_generalized_jsd, reference_token_logprobs
 
@@ -351,3 +352,29 @@ def test_fsdp2_student_and_teacher():
         assert lp_backward and kd_backward == lp_backward, (lp_backward, kd_backward)
         assert r["resharded"], "a parameter was left unsharded after the steps"
         assert not [w for w in r["warnings"] if "FSDP" in w], r["warnings"]
+
+
+#: Every family causal_lm_loss verifies, and decoder + lm_head families it does not list (they run
+#: with a warning): values must equal the full logits' in each.
+SWEEP = sorted(VERIFIED_MODEL_TYPES) + ["gpt_oss", "olmo3", "phi", "starcoder2", "exaone4", "apertus"]
+
+
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_every_family_gives_the_full_logits_log_probs_entropy_and_divergence(model_type):
+    model = tiny_model(model_type).eval()  # eval: some families default to dropout
+    batch = padded_batch(seed=5)
+    targets = _shift(batch["labels"])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        logits = model(**_inputs(batch)).logits
+        logp, ent = model_patches.causal_lm_token_logprobs(model, **batch, temperature=0.9, return_entropy=True)
+        ref_lp, ref_ent = reference_token_logprobs(logits, targets, temperature=0.9,
+                                                   softcap=None)  # the model's own logits are capped already
+        _assert_close(logp, ref_lp, what=f"{model_type} logp")
+        _assert_close(ent, ref_ent, what=f"{model_type} entropy")
+        if getattr(model.config, "final_logit_softcapping", None) is None:
+            teacher = tiny_model(model_type, seed=1).eval()
+            kd = model_patches.causal_lm_distillation_loss(model, teacher, **batch, beta=0.3)
+            ref = reference_generalized_jsd(logits[:, :-1], teacher(**_inputs(batch)).logits[:, :-1],
+                                            targets[:, :-1] != -100, beta=0.3)
+            _assert_close(kd, ref, what=f"{model_type} distillation")
