@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# The prepared GPU check: CUDA-only tests and the GPU benchmarks, every figure written to $1.
-# Usage: bash bench/gpu_check.sh OUT_DIR   (about 15 minutes on one H200, after install)
-# Peers (Liger-Kernel, cut-cross-entropy, TRL) are measured where importable. Files in OUT_DIR:
-# log.txt (everything printed), lce.json, lce_chunks_{512,1024,4096}.json, cuda_tests.txt,
-# ce.json, logprobs.json and, on a machine of 2 or more GPUs, dist.json.
+# The prepared GPU check: the most valuable GPU figures first, each step under its own time cap and
+# the whole run within 10 minutes, every result written to OUT_DIR as soon as it exists.
+# Usage, from the repository root of a checkout (no install needed: the packages import from here,
+# torch and transformers must be installed; peers are measured where importable):
+#     bash bench/gpu_check.sh OUT_DIR [TOTAL_SECONDS]
+# Steps, in order of value:
+#   1. ce: cross-entropy from logits at [16384, 128256] bf16 (targets: <= 4 ms, in-place peak <= 1 GiB)
+#   2. lce: the hidden-state loss at N=16384, H=4096, V=128256 bf16 against Liger and cut-cross-entropy
+#   3. the CUDA-only tests
+#   4. logprobs: token log-probs and distillation at N=16384, H=4096, V=128256 bf16 against TRL's
+#      Triton kernels and Liger's fused linear JSD
+#   5. the hidden-state loss's chunk rows (512, 1024, 4096), while time is left
+#   6. dist: vocabulary-parallel losses over every GPU (2 or more GPUs only)
+# Files in OUT_DIR: log.txt (everything printed), ce/, lce/, logprobs/ (report folders: report.md,
+# report.json), ce.json, lce.json, logprobs.json, cuda_tests.txt, lce_chunks_*.json, dist.json.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_check.sh OUT_DIR}
+out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [TOTAL_SECONDS]}
+total=${2:-600}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log="$out/log.txt"
+status=0
 python - <<'PY' 2>&1 | tee "$log"
 import importlib.util, platform, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())
@@ -19,35 +32,45 @@ for peer in ("liger_kernel", "cut_cross_entropy", "trl", "triton", "transformers
 from functional_ce.weight_grad import fp32_out_matmul_supported
 print("fp32-output bf16 matmul on cuda:", fp32_out_matmul_supported(torch.device("cuda"), torch.bfloat16))
 PY
-status=0
-lce=(--device cuda --only lce --no-progress --lce-shape 16384,4096,128256 --lce-repeats 10)
-# 1. Hidden-state loss at the issue's GPU shape, every variant side by side, with a profile.
-timeout 300 python -m bench "${lce[@]}" --lce-profile --json "$out/lce.json" 2>&1 | tee -a "$log" || status=1
-# 2. Chunk rows of functional_ce at that shape (auto is measured above).
+
+# step NAME CAP COMMAND...: run COMMAND under min(CAP, the time left), logging; skip it when under 20 s are left.
+step() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$((total - SECONDS))
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: skipped, ${left} s of the ${total} s left" | tee -a "$log"
+        return
+    fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    echo "== $name (cap ${cap} s, ${left} s left)" | tee -a "$log"
+    timeout "$cap" "$@" 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+step "1 ce [16384, 128256] bf16" 150 python -m bench --device cuda --only ce --no-progress \
+    --ce-shape 16384,128256 --ce-repeats 10 --out "$out/ce" --json "$out/ce.json"
+step "2 lce N=16384 H=4096 V=128256 bf16" 150 python -m bench --device cuda --only lce --no-progress \
+    --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-profile --out "$out/lce" --json "$out/lce.json"
+step "3 CUDA-only tests" 90 bash -c "python -m pytest -q -m cuda -p no:cacheprovider tests/test_ce_cuda.py \
+    | tee '$out/cuda_tests.txt'"
+step "4 logprobs N=16384 H=4096 V=128256 bf16" 180 python -m bench --device cuda --only logprobs --no-progress \
+    --logprobs-tables logprobs,distill_hidden --logprobs-n 16384 --logprobs-h 4096 --logprobs-v 128256 \
+    --logprobs-repeats 5 --out "$out/logprobs" --json "$out/logprobs.json"
 for rows in 512 1024 4096; do
-    timeout 50 python -m bench "${lce[@]}" --lce-variants functional_ce.linear_cross_entropy \
-        --lce-chunk-size "$rows" --json "$out/lce_chunks_$rows.json" 2>&1 | tee -a "$log" || status=1
+    step "5 lce chunk rows $rows" 40 python -m bench --device cuda --only lce --no-progress \
+        --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-variants functional_ce.linear_cross_entropy \
+        --lce-chunk-size "$rows" --out "$out/lce_chunks_$rows" --json "$out/lce_chunks_$rows.json"
 done
-# 3. CUDA-only tests (bf16 parity of both losses, in-place gradient aliasing, inductor on the device).
-timeout 120 python -m pytest -q -m cuda -p no:cacheprovider tests/test_ce_cuda.py 2>&1 \
-    | tee "$out/cuda_tests.txt" || status=1
-# 4. Cross-entropy from logits at its issue shape.
-timeout 200 python -m bench --device cuda --only ce --no-progress --ce-shape 16384,128256 --ce-repeats 10 \
-    --json "$out/ce.json" 2>&1 | tee -a "$log" || status=1
-# 5. Token log-probs with entropy and distillation from hidden states at the GPU shape, against the
-#    full path, TRL's Triton kernels and Liger's fused linear JSD.
-timeout 420 python -m bench --device cuda --only logprobs --no-progress --logprobs-tables logprobs,distill_hidden \
-    --logprobs-n 16384 --logprobs-h 4096 --logprobs-v 128256 --logprobs-repeats 5 \
-    --json "$out/logprobs.json" 2>&1 | tee -a "$log" || status=1
-# 6. Vocabulary-parallel losses over every GPU of the machine (nccl, one process per GPU).
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 2 ]; then
     worlds=2; [ "$gpus" -ge 4 ] && worlds=2,4
-    timeout 600 python -m bench --device cuda --only dist --no-progress --dist-worlds "$worlds" \
+    step "6 dist over $gpus GPUs" 300 python -m bench --device cuda --only dist --no-progress --dist-worlds "$worlds" \
         --dist-shape 16384,128256 --dist-hidden-shape 16384,4096,128256 --dist-hidden-dtype bf16 \
-        --json "$out/dist.json" 2>&1 | tee -a "$log" || status=1
+        --out "$out/dist" --json "$out/dist.json"
 else
-    echo "dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
+    echo "== 6 dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
         | tee -a "$log"
 fi
+echo "== done in ${SECONDS} s (status $status)" | tee -a "$log"
 exit $status
