@@ -1,8 +1,10 @@
 """``python -m bench``: the one-command report, one section per package.
 
 Each section is a module of this package with ``run(args, tick) -> Section``, and optionally
-``add_arguments(parser)`` and ``plot(section, out_dir) -> list[Path]``. ``tick(text)`` advances
-the progress display.
+``add_arguments(parser)``, ``count(args) -> int`` (the progress steps it will take, for the
+estimate of the time left) and ``plot(section, out_dir) -> list[Path]``. ``tick(text)`` advances
+the progress display. Every run leaves a report folder (``--out``, see :mod:`bench.report_folder`);
+``--compare OLD.json`` sets each ratio next to an earlier run's (:mod:`bench.compare`).
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import logging
 import platform
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
+
+from . import compare, report_folder
+from .report import Section, Table
 
 # name -> module; order is the report's order.
 SECTIONS = {
@@ -42,8 +48,19 @@ def _available() -> dict[str, object]:
 def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=sorted(mods), help="run only these sections")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write every figure as JSON to PATH")
-    p.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--full", action="store_true",
+                   help="what bench/RESULTS.md reports: every target shape, 2 and 4 processes, the N sweeps and "
+                        "their plots (an hour or more on a 2-core CPU; the default run is quick, about 3 minutes)")
+    p.add_argument("--out", type=Path, metavar="DIR",
+                   help="the report folder: report.md, report.json and plots/ (default bench-reports/DATE_TIME)")
+    p.add_argument("--compare", type=Path, metavar="OLD.json",
+                   help="compare every ratio with an earlier run's report.json; flag those that moved beyond the noise")
+    p.add_argument("--compare-floor", type=float, default=compare.TIME_FLOOR, metavar="F",
+                   help=f"with --compare, the smallest relative move of a time ratio that is flagged (default "
+                        f"{compare.TIME_FLOOR}: run-to-run noise of a shared CPU; lower it on a quiet machine)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write every figure as JSON to PATH")
+    p.add_argument("--plot", type=Path, metavar="DIR",
+                   help="measure the N sweeps and write PNG plots into DIR (and into the report folder)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for name, mod in mods.items():
@@ -62,43 +79,115 @@ def _header() -> str:
     )
 
 
+class Progress:
+    """One line, updated in place: the section and variant running, how many steps are done of
+    the planned total (each section's ``count(args)``, where it has one) and tqdm's estimate of
+    the time left. Silent without tqdm or with ``--no-progress``."""
+
+    def __init__(self, total: Optional[int], enabled: bool) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the bench extra is not installed
+            tqdm = None
+        self.bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True) \
+            if tqdm is not None and enabled else None
+        self.done_before = 0  # planned steps of the sections already finished
+
+    def tick(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(text[:60])
+            self.bar.update(1)
+
+    def section_done(self, planned: Optional[int]) -> None:
+        """Re-anchor on the plan: a section may take more or fewer steps than it planned."""
+        if self.bar is None:
+            return
+        if planned is not None and self.bar.total is not None:
+            self.done_before += planned
+            self.bar.n = self.done_before
+            self.bar.refresh()
+        self.bar.clear()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _summary(sections: list, seconds: dict[str, float], argv: list[str]) -> Section:
+    """One row per section: its wall time, its tables and the rows that did not measure (an error,
+    a missing peer)."""
+    rows = []
+    for name, _, section in sections:
+        statuses = [row[-1] for table in section.tables for row in table.rows
+                    if table.columns and table.columns[-1] == "status"]
+        rows.append([name, round(seconds[name], 1), len(section.tables), sum(s == "ok" for s in statuses),
+                     len(statuses) - sum(s == "ok" for s in statuses)])
+    rows.append(["all", round(sum(seconds.values()), 1), sum(r[2] for r in rows), sum(r[3] for r in rows),
+                 sum(r[4] for r in rows)])
+    table = Table(title="summary: what ran, and how long", columns=["section", "wall time (s)", "tables",
+                                                                    "rows ok", "rows not measured"],
+                  rows=rows, command="python -m bench " + " ".join(shlex.quote(a) for a in argv),
+                  notes=["rows not measured: a peer that is not installed or runs on CUDA only, or an error "
+                         "(its status says which)"])
+    return Section(name="summary", tables=[table])
+
+
+def _planned(mod: object, args: argparse.Namespace) -> Optional[int]:
+    count = getattr(mod, "count", None)
+    return None if count is None else int(count(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     mods = _available()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(mods).parse_args(argv)
     chosen = {n: m for n, m in mods.items() if not args.only or n in args.only}
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bench extra is not installed
-        tqdm = None
-    bar = None if (tqdm is None or args.no_progress) else tqdm(unit="step", file=sys.stderr)
-
-    def tick(text: str) -> None:
-        if bar is not None:
-            bar.set_description(text[:60])
-            bar.update(1)
+    old = compare.load(args.compare) if args.compare else None  # a bad file fails before hours of work
+    folder = args.out or report_folder.default_folder()
+    plot_dir = folder / "plots"
+    planned = {n: _planned(m, args) for n, m in chosen.items()}
+    total = None if None in planned.values() else sum(planned.values())
+    progress = Progress(total, enabled=not args.no_progress)
 
     print(_header(), flush=True)
-    sections = []
+    sections, seconds = [], {}
     for name, mod in chosen.items():
-        section = mod.run(args, tick)
+        start = time.perf_counter()
+        section = mod.run(args, progress.tick)
+        seconds[name] = time.perf_counter() - start
         sections.append((name, mod, section))
-        if bar is not None:
-            bar.clear()
+        progress.section_done(planned[name])
         print("\n" + section.render(), flush=True)
-    if bar is not None:
-        bar.close()
+    progress.close()
+    summary = _summary(sections, seconds, argv)
+    print("\n" + summary.render(), flush=True)
+
+    plots: dict[str, list[Path]] = {}
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    for name, mod, section in sections:
+        if hasattr(mod, "plot"):
+            plots[name] = list(mod.plot(section, plot_dir))  # [] without N sweeps (measured with --plot)
+            if args.plot and plots[name]:
+                args.plot.mkdir(parents=True, exist_ok=True)
+                for path in plots[name]:
+                    shutil.copy2(path, args.plot / path.name)
+    named = [(n, s) for n, _, s in sections] + [("summary", summary)]
+    facts = report_folder.run_facts(args.device, argv)
+    comparison = None
+    if old is not None:
+        payload = report_folder.to_json(facts, named, {})
+        changes = compare.compare(old, payload, time_floor=args.compare_floor)
+        comparison = compare.render(changes, old_name=str(args.compare))  # every ratio, in the report
+        print("\n## Compared with " + str(args.compare) + "\n"
+              + compare.render(changes, old_name=str(args.compare), only_flagged=True), flush=True)
+    paths = report_folder.write(folder, facts, named, plots, comparison)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"header": _header(), "sections": {n: s.to_json() for n, _, s in sections}}
-        args.json.write_text(json.dumps(payload, indent=2))
+        shutil.copy2(paths["json"], args.json)
         print(f"\nwrote {args.json}")
-    if args.plot:
-        args.plot.mkdir(parents=True, exist_ok=True)
-        for _, mod, section in sections:
-            if hasattr(mod, "plot"):
-                for path in mod.plot(section, args.plot):
-                    print(f"wrote {path}")
+    print(f"\nreport: {paths['markdown']} (figures: {paths['json']}, plots: {sum(map(len, plots.values()))} in "
+          f"{plot_dir})")
     return 0
 
 

@@ -19,6 +19,8 @@ import torch
 import ac_policies
 from ac_policies.measure import kept_for_backward, recompute_flops, step_bytes
 
+from .measure import spread_of
+from .modes import override, pick
 from .report import Section, Table, ratio
 
 # A table written as config data: non_moe, except that each MoE block runs under op-level
@@ -42,9 +44,25 @@ MIB = 2**20
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ac-seq", type=int, default=512, help="sequence length (batch 1; default 512)")
     group.add_argument("--ac-layers", type=int, default=2, help="decoder layers of the MoE model (default 2)")
-    group.add_argument("--ac-repeats", type=int, default=10, help="at most this many timed steps per preset (best reported)")
-    group.add_argument("--ac-time-budget", type=float, default=8.0,
-                       help="stop timing after this many seconds once every preset has 2 steps (default 8)")
+    group.add_argument("--ac-repeats", type=int,
+                       help="at most this many timed steps per preset (best reported; default 3, --full 10)")
+    group.add_argument("--ac-time-budget", type=float,
+                       help="stop timing after this many seconds once every preset has 2 steps (default 4, --full 8)")
+    group.add_argument("--ac-sensitivity", choices=["on", "off"],
+                       help="the table of other MoE shapes (default off, --full on)")
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quick or full defaults of the flags the user left unset."""
+    return override(args, ac_repeats=pick(args, args.ac_repeats, 3, 10),
+                    ac_time_budget=pick(args, args.ac_time_budget, 4.0, 8.0),
+                    ac_sensitivity=pick(args, args.ac_sensitivity, "off", "on"))
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: each preset measured, then timed each round, then the other shapes."""
+    a = _resolved(args)
+    return len(VARIANTS) * (1 + a.ac_repeats) + (3 if a.ac_sensitivity == "on" else 0)
 
 
 def model_config(seq: int, layers: int, **overrides: Any) -> dict[str, Any]:
@@ -153,11 +171,13 @@ def _sensitivity_row(label: str, got: dict[str, tuple[int, int]]) -> list[Any]:
 
 def _command(args: argparse.Namespace) -> str:
     opts = ["--ac-seq", str(args.ac_seq), "--ac-layers", str(args.ac_layers), "--ac-repeats", str(args.ac_repeats),
-            "--ac-time-budget", str(args.ac_time_budget), "--device", args.device]
+            "--ac-time-budget", str(args.ac_time_budget), "--ac-sensitivity", args.ac_sensitivity,
+            "--device", args.device]
     return "python -m bench --only ac " + " ".join(shlex.quote(a) for a in opts)
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    args = _resolved(args)
     cfg = model_config(args.ac_seq, args.ac_layers)
     model = build(cfg, args.device)
     ids = torch.randint(2, cfg["vocab_size"], (1, args.ac_seq), generator=torch.Generator().manual_seed(0)).to(args.device)
@@ -204,9 +224,12 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             "(the CPU may be shared with other jobs; every step is in --json)",
         ],
         command=_command(args),
+        spread={preset: spread_of(r["steps_ms"]) for preset, r in results.items()
+                if spread_of(r["steps_ms"]) is not None},
     )
     first = {k: (results[k]["live"], results[k]["peak"]) for k in ("none", "non_moe", MOE_SELECTIVE)}
-    sens = [_sensitivity_row("the model above", first)] + sensitivity(args, tick)
+    sens = [_sensitivity_row("the model above", first)]
+    sens += sensitivity(args, tick) if args.ac_sensitivity == "on" else []
     table2 = Table(
         title=f"kept bytes and step peak vs none across MoE shapes ({args.ac_layers} layers, seq {args.ac_seq})",
         columns=["shape", "none kept (MiB)", "none peak (MiB)", "non_moe kept x none", "non_moe peak x none",

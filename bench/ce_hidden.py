@@ -19,6 +19,11 @@ side in one run):
 Table 2, the Hugging Face loss path on a tiny random-init Llama (bf16, large vocabulary so the
 logits dominate): ``model(**batch, labels=...)`` forward + backward as shipped, with
 ``model_patches.enable_chunked_loss()``, and ``model_patches.causal_lm_loss(model, **batch)``.
+
+Shapes: the quick run measures table 1 at N=1024, H=512, V=16384, 3 steps per variant; ``--full``
+at the targets of bench/RESULTS.md (time N=4096, H=1024, V=32768; memory N=8192, H=2048,
+V=32768), table 2 at 4 x 512, V=32000, and the N sweep. ``--lce-shape`` (``N,H,V``, several
+separated by ``;``), ``--lce-repeats`` and ``--lce-hf`` override either.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .measure import Measurement, measure
-from .report import Section, Table, ratio
+from .modes import override, pick, sweeps
+from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "F.linear + F.cross_entropy eager"
@@ -187,20 +193,40 @@ HF_VARIANTS = {
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--lce-shape", default="1024,512,16384",
-                       help="N,H,V of hidden [N, H] and weight [V, H] (default 1024,512,16384)")
+    group.add_argument("--lce-shape", help="N,H,V of hidden [N, H] and weight [V, H], several separated by ';' "
+                                           f"(default {QUICK_SHAPES[0]}; --full: {';'.join(FULL_SHAPES)})")
     group.add_argument("--lce-dtype", default="bf16", choices=sorted(DTYPES))
     group.add_argument("--lce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
-    group.add_argument("--lce-repeats", type=int, default=1, help="timed steps per variant (median)")
+    group.add_argument("--lce-repeats", type=int, help="timed steps per variant (median; default 3, --full 2)")
     group.add_argument("--lce-variants", default="all",
                        help="comma-separated subset of variant names to run (default all)")
-    group.add_argument("--lce-hf", default="none",
-                       help='B,T,V of the Hugging Face loss-path table, e.g. 4,512,32000 (default "none": '
-                            'skipped, it adds about a minute)')
+    group.add_argument("--lce-hf", help='B,T,V of the Hugging Face loss-path table, e.g. 4,512,32000 (default '
+                                        f'"none": skipped, it adds about a minute; --full: {FULL_HF})')
     group.add_argument("--lce-profile", action="store_true",
                        help="add a profile of functional_ce's step at --lce-shape: matmul time vs the rest")
     group.add_argument("--lce-sweep", default="256,512,1024,2048",
                        help="token counts N for the --plot sweep (H, V from --lce-shape)")
+
+
+QUICK_SHAPES = ["1024,512,16384"]
+#: The time target and the memory target of bench/RESULTS.md.
+FULL_SHAPES = ["4096,1024,32768", "8192,2048,32768"]
+FULL_HF = "4,512,32000"
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quick or full defaults of the flags the user left unset."""
+    given = args.lce_shape and [x.strip() for x in args.lce_shape.split(";") if x.strip()]
+    return override(args, lce_shapes=pick(args, given or None, QUICK_SHAPES, FULL_SHAPES),
+                    lce_repeats=pick(args, args.lce_repeats, 3, 2), lce_hf=pick(args, args.lce_hf, "none", FULL_HF))
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: one per variant and shape (and sweep point), per HF variant, the profile."""
+    a = _resolved(args)
+    sweep = len(a.lce_sweep.split(",")) if sweeps(a) else 0
+    return (len(VARIANTS) * (len(a.lce_shapes) + sweep) + (len(HF_VARIANTS) if a.lce_hf.lower() != "none" else 0)
+            + bool(a.lce_profile))
 
 
 def _chunk(arg: str) -> Any:
@@ -252,6 +278,7 @@ def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[T
         notes=[f"peak extra memory = {mem_how} above the inputs during the step; gradients of hidden and "
                "weight count"],
         command=cmd,
+        spread=spreads(results),
     )
     return table, {"shape": [n, h, v], "results": {k: vars(m) for k, m in results.items()}}
 
@@ -282,6 +309,7 @@ def _hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Ta
                "and tests/test_hf_causal_lm_loss.py"],
         command="python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
             "--lce-hf", args.lce_hf, "--lce-repeats", str(args.lce_repeats), "--device", args.device]),
+        spread=spreads(results),
     )
     return table, {"hf_shape": [b, t, v], "hf_results": {k: vars(m) for k, m in results.items()}}
 
@@ -349,8 +377,14 @@ def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tup
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
-    table, data = _lce_table(args, tick)
-    tables = [table]
+    args = _resolved(args)
+    tables, data = [], {}
+    for shape in args.lce_shapes:
+        table, shape_data = _lce_table(override(args, lce_shape=shape), tick)
+        tables.append(table)
+        data = data or shape_data  # the first shape's figures at the top, as before
+        data.setdefault("by_shape", {})[shape] = shape_data["results"]
+    args = override(args, lce_shape=args.lce_shapes[0])
     if args.lce_profile:
         profile_table, profile_data = _profile_table(args, tick)
         tables.append(profile_table)
@@ -364,7 +398,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             tables.append(hf_table)
             data.update(hf_data)
     data.update(dtype=args.lce_dtype, device=args.device)
-    if args.plot:
+    if sweeps(args):
         _, h, v = data["shape"]
         sweep = {sn: {k: vars(m) for k, m in measure_variants(sn, h, v, args, tick).items()}
                  for sn in (int(x) for x in args.lce_sweep.split(","))}

@@ -6,6 +6,9 @@ Variants (each measured in its own process, side by side in one run):
   - ``functional_ce``: :func:`functional_ce.cross_entropy`;
   - ``functional_ce inplace``: the same with ``inplace_grad=True``;
   - ``liger``: Liger-Kernel's cross-entropy (CUDA only, where installed).
+
+Shapes: the quick run measures [1024, 128256]; ``--full`` the time target [2048, 128256], the
+memory target [4096, 128256] and the N sweep; ``--ce-shape`` (one or more ``N,V`` separated by ``;``) overrides.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .measure import Measurement, measure
-from .report import Section, Table, ratio
+from .modes import override, pick, sweeps
+from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "torch eager"
@@ -89,12 +93,29 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] 
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--ce-shape", default="2048,128256", help="N,V of the logits (default 2048,128256)")
+    group.add_argument("--ce-shape", help=f"N,V of the logits, several separated by ';' (default {QUICK_SHAPES[0]}; "
+                                          f"--full: {';'.join(FULL_SHAPES)})")
     group.add_argument("--ce-dtype", default="bf16", choices=sorted(DTYPES))
     group.add_argument("--ce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
     group.add_argument("--ce-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--ce-sweep", default="256,512,1024,2048",
                        help="token counts N for the --plot sweep (V from --ce-shape)")
+
+
+QUICK_SHAPES = ["1024,128256"]
+#: The time target and the memory target of bench/RESULTS.md.
+FULL_SHAPES = ["2048,128256", "4096,128256"]
+
+
+def shapes(args: argparse.Namespace) -> list[str]:
+    given = args.ce_shape and [x.strip() for x in args.ce_shape.split(";") if x.strip()]
+    return pick(args, given or None, QUICK_SHAPES, FULL_SHAPES)
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: one per variant and shape, and per variant and N of the sweep."""
+    sweep = len(args.ce_sweep.split(",")) if sweeps(args) else 0
+    return len(VARIANTS) * (len(shapes(args)) + sweep)
 
 
 def _chunk(arg: str) -> Any:
@@ -122,6 +143,22 @@ def _command(args: argparse.Namespace, shape: str) -> str:
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    tables, data = [], {}
+    for shape in shapes(args):
+        table, shape_data = _table(override(args, ce_shape=shape), tick)
+        tables.append(table)
+        data = data or shape_data  # the first shape's figures at the top, as before
+        data.setdefault("by_shape", {})[shape] = shape_data["results"]
+    if sweeps(args):
+        n, v = data["shape"]
+        sweep = {}
+        for sn in (int(x) for x in args.ce_sweep.split(",")):
+            sweep[sn] = {k: vars(m) for k, m in measure_variants(sn, v, args, tick).items()}
+        data["sweep"] = {"v": v, "by_n": sweep}
+    return Section(name="functional_ce: cross-entropy from logits", tables=tables, data=data)
+
+
+def _table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
     n, v = (int(x) for x in args.ce_shape.split(","))
     results = measure_variants(n, v, args, tick)
     base = results[BASELINE]
@@ -141,15 +178,11 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
         baseline=f"{BASELINE}: F.cross_entropy(logits.float(), labels)",
         notes=[f"peak extra memory = {mem_how} above the inputs during the step; the logits' gradient counts"],
         command=_command(args, args.ce_shape),
+        spread=spreads(results),
     )
     data: dict[str, Any] = {"shape": [n, v], "dtype": args.ce_dtype, "device": args.device,
                             "results": {k: vars(m) for k, m in results.items()}}
-    if args.plot:
-        sweep = {}
-        for sn in (int(x) for x in args.ce_sweep.split(",")):
-            sweep[sn] = {k: vars(m) for k, m in measure_variants(sn, v, args, tick).items()}
-        data["sweep"] = {"v": v, "by_n": sweep}
-    return Section(name="functional_ce: cross-entropy from logits", tables=[table], data=data)
+    return table, data
 
 
 def plot(section: Section, out_dir: Path) -> list[Path]:

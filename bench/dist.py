@@ -20,6 +20,10 @@ own batch:
 Pipeline, 2 stages (GPipe, 4 microbatches), the last stage's ``loss_fn``:
   - ``F.cross_entropy(logits.float())``: the baseline;
   - ``functional_ce`` with ``inplace_grad=True`` (and ``return_outputs=False``).
+
+The quick run measures the two loss forms on 2 processes at N=1024; ``--full`` the memory targets
+of bench/RESULTS.md (logits [4096, 128256], hidden N=2048, H=512, V=32768) on 2 and 4 processes,
+the FSDP2 and pipeline steps, and the N sweep. The section's flags override either.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 
 from .dist_worker import MARK
 from .measure import Measurement
-from .report import Section, Table, ratio
+from .modes import override, pick, sweeps
+from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOGITS_BASELINE = "loss_parallel + F.cross_entropy"
@@ -309,20 +314,22 @@ def launch(setup: str, kwargs: dict[str, Any], *, world: int, device: str, repea
     if failure:
         return Measurement(error=failure)
     peaks = [r["peak_extra_bytes"] for r in ranks]
+    spreads = [r.get("spread") for r in ranks]
     return Measurement(
         seconds=max(r["seconds"] for r in ranks),
         peak_extra_bytes=None if None in peaks else max(peaks),
+        spread=None if None in spreads else max(spreads),
         extra={"forward_bytes": max(r["forward_bytes"] for r in ranks),
                "backward_bytes": max(r["backward_bytes"] for r in ranks), "ranks": ranks},
     )
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--dist-shape", default="1024,128256",
-                       help="N,V of the logits form (default 1024,128256; the memory target is at 4096,128256)")
+    group.add_argument("--dist-shape", help="N,V of the logits form (default 1024,128256; --full 4096,128256, the "
+                                            "memory target)")
     group.add_argument("--dist-dtype", default="bf16", choices=sorted(DTYPES), help="logits dtype")
-    group.add_argument("--dist-hidden-shape", default="1024,512,32768",
-                       help="N,H,V of the hidden-state form (default 1024,512,32768)")
+    group.add_argument("--dist-hidden-shape", help="N,H,V of the hidden-state form (default 1024,512,32768; --full "
+                                                   "2048,512,32768)")
     group.add_argument("--dist-hidden-dtype", default="fp32", choices=sorted(DTYPES),
                        help="hidden-state form dtype (fp32 by default: bf16 matmuls are slow on CPUs "
                             "without bf16 units)")
@@ -330,10 +337,32 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="tokens per rank, hidden size, vocabulary of the FSDP2 Llama (default 2048,256,32000)")
     group.add_argument("--dist-pipeline-shape", default="2048,256,32000",
                        help="tokens, hidden size, vocabulary of the 2-stage pipeline (default 2048,256,32000)")
-    group.add_argument("--dist-worlds", default="2,4", help="process counts (default 2,4)")
+    group.add_argument("--dist-worlds", help="process counts (default 2; --full 2,4)")
+    group.add_argument("--dist-models", choices=["on", "off"],
+                       help="the FSDP2 and pipeline training-step tables (default off; --full on)")
     group.add_argument("--dist-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--dist-sweep", default="512,1024,2048,4096",
                        help="token counts N for the --plot sweep (2 processes; V from --dist-shape)")
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quick or full defaults of the flags the user left unset."""
+    return override(args, dist_shape=pick(args, args.dist_shape, "1024,128256", "4096,128256"),
+                    dist_hidden_shape=pick(args, args.dist_hidden_shape, "1024,512,32768", "2048,512,32768"),
+                    dist_worlds=pick(args, args.dist_worlds, "2", "2,4"),
+                    dist_models=pick(args, args.dist_models, "off", "on"))
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: one per variant launched."""
+    a = _resolved(args)
+    worlds = len(a.dist_worlds.split(","))
+    steps = worlds * (len(LOGITS_VARIANTS) + len(HIDDEN_VARIANTS))
+    if a.dist_models == "on":
+        steps += worlds * len(FSDP_VARIANTS) + len(PIPELINE_VARIANTS)
+    if sweeps(a):
+        steps += len(a.dist_sweep.split(",")) * (len(LOGITS_VARIANTS) + len(HIDDEN_VARIANTS))
+    return steps
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -341,7 +370,7 @@ def _command(args: argparse.Namespace) -> str:
         "--dist-shape", args.dist_shape, "--dist-dtype", args.dist_dtype, "--dist-hidden-shape",
         args.dist_hidden_shape, "--dist-hidden-dtype", args.dist_hidden_dtype, "--dist-fsdp-shape",
         args.dist_fsdp_shape, "--dist-pipeline-shape", args.dist_pipeline_shape,
-        "--dist-worlds", args.dist_worlds,
+        "--dist-worlds", args.dist_worlds, "--dist-models", args.dist_models,
         "--device", args.device,
     ])
 
@@ -373,6 +402,7 @@ COLUMNS = ["ranks", "variant", "time (ms)", "peak extra/rank (MiB)", "x baseline
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    args = _resolved(args)
     n, v = (int(x) for x in args.dist_shape.split(","))
     hn, hh, hv = (int(x) for x in args.dist_hidden_shape.split(","))
     worlds = [int(x) for x in args.dist_worlds.split(",")]
@@ -380,12 +410,6 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     hidden_shape = {"n": hn, "h": hh, "v": hv, "dtype": args.dist_hidden_dtype}
     logits = {w: _measure_all(LOGITS_VARIANTS, logits_shape, w, args, tick) for w in worlds}
     hidden = {w: _measure_all(HIDDEN_VARIANTS, hidden_shape, w, args, tick) for w in worlds}
-    fn, fh, fv = (int(x) for x in args.dist_fsdp_shape.split(","))
-    fsdp_shape = {"n": fn, "h": fh, "v": fv, "dtype": "fp32"}
-    fsdp = {w: _measure_all(FSDP_VARIANTS, fsdp_shape, w, args, tick) for w in worlds}
-    pn, ph, pv = (int(x) for x in args.dist_pipeline_shape.split(","))
-    pipeline_shape = {"n": pn, "h": ph, "v": pv, "dtype": "fp32"}
-    pipeline = {2: _measure_all(PIPELINE_VARIANTS, pipeline_shape, 2, args, tick)}
     mem_how = "CUDA max_memory_allocated" if args.device.startswith("cuda") else "peak RSS of each rank's process"
     notes = [
         f"per rank: the largest over ranks; peak extra memory = {mem_how} above the inputs during the step "
@@ -396,38 +420,25 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                     f"sharded over the vocabulary, {args.device}",
               columns=COLUMNS, rows=_rows(logits, LOGITS_BASELINE, n),
               baseline=f"{LOGITS_BASELINE}: torch's loss_parallel() on logits.float(), the same ranks",
-              notes=notes, command=_command(args)),
+              notes=notes, command=_command(args), keys=2, spread=_spreads(logits)),
         Table(title=f"vocabulary-parallel hidden-state loss, forward+backward, N={hn}, H={hh}, V={hv} "
                     f"{args.dist_hidden_dtype}, column-parallel lm_head, {args.device}",
               columns=COLUMNS, rows=_rows(hidden, HIDDEN_BASELINE, hn),
               baseline=f"{HIDDEN_BASELINE}: F.cross_entropy(lm_head(hidden).float()) under loss_parallel()",
-              notes=notes, command=_command(args)),
-        Table(title=f"FSDP2 training step, 2-layer Llama (hidden {fh}, V={fv}) fp32, {fn} tokens per rank, "
-                    f"fully_shard on each layer and the root, {args.device}",
-              columns=COLUMNS, rows=_rows(fsdp, FSDP_BASELINE, fn),
-              baseline=f"{FSDP_BASELINE}: the model's own loss (fp32 logits and their log-softmax)",
-              notes=notes[:1] + [f"one fp32 logits copy here: {fn} x {fv} x 4 bytes = {fn * fv * 4 / 2**20:.0f} MiB"],
-              command=_command(args)),
-        Table(title=f"2-stage pipeline (GPipe, 4 microbatches), {pn} tokens, hidden {ph}, V={pv} fp32, the last "
-                    f"stage's loss_fn, {args.device}",
-              columns=COLUMNS, rows=_rows(pipeline, PIPELINE_BASELINE, pn),
-              baseline=f"{PIPELINE_BASELINE}: summed over the microbatch, divided by the global label count",
-              notes=notes[:1] + ["one step = schedule.step (forward and backward of every microbatch); the "
-                                 "activations the stages send each other (point-to-point) are not counted"],
-              command=_command(args)),
+              notes=notes, command=_command(args), keys=2, spread=_spreads(hidden)),
     ]
     data: dict[str, Any] = {
         "logits": {"shape": [n, v], "dtype": args.dist_dtype,
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in logits.items()}},
         "hidden": {"shape": [hn, hh, hv], "dtype": args.dist_hidden_dtype,
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in hidden.items()}},
-        "fsdp": {"shape": [fn, fh, fv], "dtype": "fp32",
-                 "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in fsdp.items()}},
-        "pipeline": {"shape": [pn, ph, pv], "dtype": "fp32",
-                     "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in pipeline.items()}},
         "device": args.device,
     }
-    if args.plot:
+    if args.dist_models == "on":
+        model_tables, model_data = _training_steps(args, worlds, notes, tick)
+        tables += model_tables
+        data.update(model_data)
+    if sweeps(args):
         for form, variants, shape in (("logits", LOGITS_VARIANTS, logits_shape), ("hidden", HIDDEN_VARIANTS,
                                                                                     hidden_shape)):
             sweep = {}
@@ -436,6 +447,45 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                 sweep[sn] = {k: _flat(m) for k, m in measured.items()}
             data[form]["sweep"] = {"world": 2, "by_n": sweep}
     return Section(name="functional_ce: vocabulary-parallel losses (DTensor)", tables=tables, data=data)
+
+
+def _training_steps(args: argparse.Namespace, worlds: list[int], notes: list[str],
+                    tick: Callable[[str], None]) -> tuple[list[Table], dict[str, Any]]:
+    """The FSDP2 Llama step (every world) and the 2-stage pipeline step (2 processes)."""
+    fn, fh, fv = (int(x) for x in args.dist_fsdp_shape.split(","))
+    fsdp_shape = {"n": fn, "h": fh, "v": fv, "dtype": "fp32"}
+    fsdp = {w: _measure_all(FSDP_VARIANTS, fsdp_shape, w, args, tick) for w in worlds}
+    pn, ph, pv = (int(x) for x in args.dist_pipeline_shape.split(","))
+    pipeline_shape = {"n": pn, "h": ph, "v": pv, "dtype": "fp32"}
+    pipeline = {2: _measure_all(PIPELINE_VARIANTS, pipeline_shape, 2, args, tick)}
+    tables = [
+        Table(title=f"FSDP2 training step, 2-layer Llama (hidden {fh}, V={fv}) fp32, {fn} tokens per rank, "
+                    f"fully_shard on each layer and the root, {args.device}",
+              columns=COLUMNS, rows=_rows(fsdp, FSDP_BASELINE, fn),
+              baseline=f"{FSDP_BASELINE}: the model's own loss (fp32 logits and their log-softmax)",
+              notes=notes[:1] + [f"one fp32 logits copy here: {fn} x {fv} x 4 bytes = {fn * fv * 4 / 2**20:.0f} MiB"],
+              command=_command(args), keys=2, spread=_spreads(fsdp)),
+        Table(title=f"2-stage pipeline (GPipe, 4 microbatches), {pn} tokens, hidden {ph}, V={pv} fp32, the last "
+                    f"stage's loss_fn, {args.device}",
+              columns=COLUMNS, rows=_rows(pipeline, PIPELINE_BASELINE, pn),
+              baseline=f"{PIPELINE_BASELINE}: summed over the microbatch, divided by the global label count",
+              notes=notes[:1] + ["one step = schedule.step (forward and backward of every microbatch); the "
+                                 "activations the stages send each other (point-to-point) are not counted"],
+              command=_command(args), keys=2, spread=_spreads(pipeline)),
+    ]
+    data = {
+        "fsdp": {"shape": [fn, fh, fv], "dtype": "fp32",
+                 "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in fsdp.items()}},
+        "pipeline": {"shape": [pn, ph, pv], "dtype": "fp32",
+                     "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in pipeline.items()}},
+    }
+    return tables, data
+
+
+def _spreads(results: dict[int, dict[str, Measurement]]) -> dict[str, float]:
+    """Row name (``"ranks / variant"``) -> the spread of its timed steps."""
+    return {f"{world} / {name}": spread for world, by_variant in results.items()
+            for name, spread in spreads(by_variant).items()}
 
 
 def _flat(m: Measurement) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_bytes import CommBytes
-from .measure import reset_peak_rss, rss_bytes
+from .measure import reset_peak_rss, rss_bytes, spread_of
 
 MARK = "BENCH-RANK-RESULT "
 
@@ -38,6 +38,7 @@ class RankMeasurement:
     forward_bytes: int
     backward_bytes: int
     by_op: dict[str, int]
+    spread: float | None = None
 
 
 def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
@@ -85,7 +86,7 @@ def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
     by_op = {f"forward {k}": v for k, v in fwd.by_op.items()} | {f"backward {k}": v for k, v in bwd.by_op.items()}
     dist.barrier()
     dist.destroy_process_group()
-    return RankMeasurement(rank, statistics.median(times), peak, fwd.bytes, bwd.bytes, by_op)
+    return RankMeasurement(rank, statistics.median(times), peak, fwd.bytes, bwd.bytes, by_op, spread_of(times))
 
 
 if __name__ == "__main__":

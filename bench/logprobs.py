@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from packaging.version import Version
 
 from .measure import Measurement, measure
-from .report import Section, Table, ratio
+from .modes import is_full, sweeps
+from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "eager full path (TRL formulas)"
@@ -304,8 +305,17 @@ def resolve_shapes(args: argparse.Namespace) -> dict[str, Shapes]:
     given = {"ns": args.logprobs_n and _ints(args.logprobs_n), "h": args.logprobs_h, "v": args.logprobs_v,
              "sweep": args.logprobs_sweep and _ints(args.logprobs_sweep)}
     changes = {field: value for field, value in given.items() if value}
-    defaults = FULL if args.logprobs_full else QUICK
+    defaults = FULL if args.logprobs_full or is_full(args) else QUICK
     return {k: dataclasses.replace(s, **changes) for k, s in defaults.items() if wanted is None or k in wanted}
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: one per variant (available or not), table and sweep point."""
+    steps = 0
+    for key, shapes in resolve_shapes(args).items():
+        points = set(shapes.ns) | (set(shapes.sweep) if sweeps(args) else set())
+        steps += len(PROBLEMS[key].variants) * len(points)
+    return steps
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -315,7 +325,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--logprobs-v", type=int, help="vocabulary size V (default 16384; full: 32768)")
     group.add_argument("--logprobs-dtype", default="bf16", choices=sorted(DTYPES))
     group.add_argument("--logprobs-full", action="store_true",
-                       help="the target shapes (H=1024, V=32768; see the section's docs); minutes on a CPU")
+                       help="the target shapes (H=1024, V=32768; see the section's docs; implied by --full); "
+                            "minutes on a CPU")
     group.add_argument("--logprobs-sweep", help="token counts N for the --plot sweep (default 256,512,1024; "
                                                 "full: 1024,2048,4096, and 512,1024,2048 from hidden states)")
     group.add_argument("--logprobs-temperature", type=float, default=1.0, help="softmax temperature T")
@@ -374,6 +385,7 @@ def _table(key: str, n: int, shapes: Shapes, results: dict[str, Measurement], om
         notes=[f"{name}: not measured, {reason}" for name, reason in omitted.items()]
         + [f"peak extra memory = {mem_how} above the inputs during the step; the gradients count"],
         command="python -m bench --only logprobs " + " ".join(shlex.quote(a) for a in flags),
+        spread=spreads(results),
     )
 
 
@@ -390,7 +402,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             tables.append(_table(key, n, shapes, measured[n], omitted, args))
         entry: dict[str, Any] = {"h": shapes.h, "v": shapes.v, "omitted": omitted,
                                  "results": {n: {k: vars(m) for k, m in r.items()} for n, r in measured.items()}}
-        if args.plot:
+        if sweeps(args):
             for n in shapes.sweep:
                 if n not in measured:
                     measured[n], _ = measure_variants(key, n, shapes, args, tick)

@@ -4,7 +4,8 @@ A variant is a setup function named ``"module:function"`` that takes keyword arg
 its inputs and returns a zero-argument ``step`` callable (one forward + backward). The child
 process warms the step up (compilation stays out of the timing), then measures:
 
-- time: median wall-clock seconds of ``repeats`` steps (CUDA synchronised);
+- time: median wall-clock seconds of ``repeats`` steps (CUDA synchronised), and their spread
+  ``(max - min) / median`` (the run-to-run noise ``python -m bench --compare`` judges moves by);
 - peak extra memory: on CUDA, ``max_memory_allocated`` during the timed steps minus what was
   allocated before them; on CPU, the peak resident set (``VmHWM``, reset through
   ``/proc/self/clear_refs``) minus the resident set before them (Linux only; glibc is told
@@ -37,6 +38,8 @@ class Measurement:
     peak_extra_bytes: Optional[int] = None
     error: Optional[str] = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``(max - min) / median`` of the timed steps; None with fewer than 2.
+    spread: Optional[float] = None
 
     @property
     def ms(self) -> Optional[float]:
@@ -124,7 +127,15 @@ def _run(spec: dict[str, Any]) -> Measurement:
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = None if before is None else rss_bytes("VmHWM") - before
-    return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak)
+    return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak, spread=spread_of(times))
+
+
+def spread_of(times: list[float]) -> Optional[float]:
+    """``(max - min) / median`` of repeated timings; None with fewer than 2 (or a zero median)."""
+    if len(times) < 2:
+        return None
+    mid = statistics.median(times)
+    return (max(times) - min(times)) / mid if mid > 0 else None
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ Table 1 (installed Transformers): for each model family x attention backend, the
 Table 2 (``bench.packing_families``): per family, stock gap, then covered, made correct or refused
 (and why) under ``enable_packing(model=...)`` and plain ``enable_packing()``.
 Table 3 (``bench.packing_step``): compiled training-step time of a packed batch, stock vs
-``enable_packing`` (``--packing-step off`` skips it).
+``enable_packing`` (two inductor compiles per model: in ``--full`` runs or with ``--packing-step on``).
 Table 4: tokens / row slots of ``PackingCollator`` on a long-tailed (log-normal) length
 distribution, next to padding every document to ``max_length`` and to next-fit packing in
 arrival order.
+
+The quick run measures tables 1, 2 (the families of :data:`QUICK_SWEEP`) and 4; ``--full`` every
+family of ``bench.packing_families.DEFAULT_SWEEP`` and table 3. The section's flags override either.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import logging
 import math
 import random
 import shlex
-import sys
 import time
 from typing import Any, Callable
 
 from bench.packing_families import DEFAULT_SWEEP, family_table
 from bench.packing_step import step_table
+from bench.modes import override, pick
 from bench.report import Section, Table
 
 DEFAULT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe"]
@@ -41,12 +44,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--packing-docs", type=int, default=4000, help="documents drawn for the collator table")
     group.add_argument(
-        "--packing-sweep", nargs="+", default=DEFAULT_SWEEP, metavar="FAMILY",
+        "--packing-sweep", nargs="+", metavar="FAMILY",
         help="families of the per-family outcome table ('all': every AutoModelForCausalLM family; "
-        "'none': skip; 'falcon+alibi' sets alibi=True)",
+        "'none': skip; 'falcon+alibi' sets alibi=True; default: one per mixer kind, --full: 30)",
     )
-    group.add_argument("--packing-step", choices=["on", "off"], default="on",
-                       help="the compiled step-time table (two inductor compiles, a few minutes on CPU)")
+    group.add_argument("--packing-step", choices=["on", "off"],
+                       help="the compiled step-time table (two inductor compiles, a few minutes on CPU; "
+                            "default off, --full on)")
     group.add_argument("--packing-step-backend", default="inductor")
     group.add_argument("--packing-step-repeats", type=int, default=5)
     group.add_argument("--packing-step-models", nargs="+", default=["llama", "qwen3_next"],
@@ -55,7 +59,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    return "python -m bench --only packing " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a.startswith("--packing"))
+    """The command that reproduces the section as this run resolved it."""
+    flags = ["--packing-families", *args.packing_families, "--packing-backends", *args.packing_backends,
+             "--packing-flex", args.packing_flex, "--packing-sweep", *args.packing_sweep,
+             "--packing-step", args.packing_step]
+    return "python -m bench --only packing " + " ".join(shlex.quote(a) for a in flags)
 
 
 def _leak_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
@@ -154,7 +162,28 @@ def _efficiency_table(args: argparse.Namespace, tick: Callable[[str], None]) -> 
     return table, data
 
 
+#: The quick run's per-family table: one family of each kind of sequence mixer (attention, an
+#: MoE router, ALiBi, a hybrid with recurrent layers, a pure state-space model).
+QUICK_SWEEP = ["llama", "qwen3_moe", "falcon+alibi", "jamba", "mamba2"]
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quick or full defaults of the flags the user left unset."""
+    return override(args, packing_sweep=pick(args, args.packing_sweep, QUICK_SWEEP, DEFAULT_SWEEP),
+                    packing_step=pick(args, args.packing_step, "off", "on"))
+
+
+def count(args: argparse.Namespace) -> int:
+    """Progress steps: family x backend, the sweep's families, the compiled steps, the collator pools."""
+    a = _resolved(args)
+    leak = sum(len(a.packing_backends) - (i > 0 and a.packing_flex == "first" and "flex_attention" in a.packing_backends)
+               for i in range(len(a.packing_families)))
+    sweep = 0 if a.packing_sweep == ["none"] else len(a.packing_sweep)
+    return leak + sweep + (2 * len(a.packing_step_models) if a.packing_step == "on" else 0) + 3
+
+
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    args = _resolved(args)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     leak, leak_data = _leak_table(args, tick)
     tables, data = [leak], {"leak": leak_data}

@@ -77,7 +77,7 @@ def step_table(args: Any, command: str, tick: Callable[[str], None]) -> tuple[An
     from bench.measure import measure
     from bench.report import Table, ratio
 
-    rows, data = [], {}
+    rows, data, spread = [], {}, {}
     for model_type in args.packing_step_models:
         results = {}
         for packing in (False, True):
@@ -94,9 +94,13 @@ def step_table(args: Any, command: str, tick: Callable[[str], None]) -> tuple[An
             [model_type, f"enable_packing(model=...), {how}", packed.ms, ratio(packed.ms, base.ms), packed.error or ""],
         ]
         data[model_type] = {"stock_ms": base.ms, "packing_ms": packed.ms}
+        for (_, variant, *_), m in zip(rows[-2:], (base, packed)):
+            if m.spread is not None:
+                spread[f"{model_type} / {variant}"] = m.spread
     table = Table(
         title=f"compiled training step (forward + backward), packed batch 4 x 512, torch.compile backend={args.packing_step_backend}",
-        columns=["model", "variant", "step (ms)", "x stock", "error"], rows=rows, command=command,
+        columns=["model", "variant", "step (ms)", "x stock", "error"], rows=rows, command=command, keys=2,
+        spread=spread,
         baseline="stock Transformers on the same packed batch",
         notes=[
             f"transformers {transformers.__version__}; hidden 128, 2 layers, vocab 1024, sdpa, fp32 (qwen3_next: "

@@ -22,6 +22,30 @@ class Table:
     command: str
     baseline: Optional[str] = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: How many leading columns name a row (``--compare`` matches rows by them).
+    keys: int = 1
+    #: Row name (its key columns joined by " / ") -> the ``(max - min) / median`` spread of its
+    #: timed steps, where it had several: the run-to-run noise ``--compare`` judges time ratios by.
+    spread: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def row_name(self, row: list[Any]) -> str:
+        return " / ".join(str(c) for c in row[: self.keys])
+
+    def to_markdown(self) -> str:
+        """The table as Markdown: a heading, the table, the baseline, notes and the command."""
+        def cell(v: Any) -> str:
+            return _fmt(v).replace("|", "\\|")
+
+        out = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+               "|" + "|".join(" --- " if i < self.keys else " ---: " for i in range(len(self.columns))) + "|"]
+        out += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
+        out.append("")
+        if self.baseline:
+            out.append(f"Baseline: {self.baseline}")
+            out.append("")
+        out += [f"- {n}" for n in self.notes]
+        out += ["", f"Reproduce: `{self.command}`"]
+        return "\n".join(out)
 
     def render(self) -> str:
         cells = [[_fmt(v) for v in row] for row in self.rows]
@@ -43,6 +67,8 @@ class Table:
             "baseline": self.baseline,
             "notes": self.notes,
             "command": self.command,
+            "keys": self.keys,
+            "spread": self.spread,
         }
 
 
@@ -59,6 +85,11 @@ class Section:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "tables": [t.to_json() for t in self.tables], "data": self.data}
+
+
+def spreads(measurements: dict[str, Any]) -> dict[str, float]:
+    """``name -> spread`` of the measurements (``bench.measure.Measurement``) that have one."""
+    return {name: m.spread for name, m in measurements.items() if getattr(m, "spread", None) is not None}
 
 
 def ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:

@@ -12,7 +12,8 @@ import pytest
 def test_bench_ac_reports_step_peak_next_to_kept_bytes():
     from bench import ac
 
-    args = argparse.Namespace(ac_seq=32, ac_layers=1, ac_repeats=1, ac_time_budget=0.0, device="cpu")
+    args = argparse.Namespace(ac_seq=32, ac_layers=1, ac_repeats=1, ac_time_budget=0.0, ac_sensitivity="on",
+                              device="cpu")
     section = ac.run(args, tick=lambda msg: None)
     results = section.data["results"]
     for name, r in results.items():

@@ -18,7 +18,8 @@ def test_ce_section_reports_every_variant_with_its_baseline(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "ce", "--ce-shape", "64,512", "--ce-repeats", "1",
-         "--no-progress", "--json", str(out)],
+         "--no-progress", "--json", str(out),
+         "--out", str(tmp_path / "report")],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

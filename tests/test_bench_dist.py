@@ -23,7 +23,7 @@ def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "dist", "--dist-shape", "64,500", "--dist-hidden-shape",
          "32,16,500", "--dist-fsdp-shape", "256,32,500", "--dist-pipeline-shape", "256,32,500", "--dist-worlds", "2",
-         "--dist-repeats", "1",
+         "--dist-repeats", "1", "--dist-models", "on", "--out", str(tmp_path / "report"),
          "--no-progress", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )

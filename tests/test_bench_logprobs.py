@@ -125,7 +125,7 @@ def test_trl_kernels_agree_with_the_baseline_formulas():
 def test_section_end_to_end_with_compiled_variants(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "bench", "--only", "logprobs", *TINY, "--no-progress",
-                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+                           "--json", str(out), "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tables = json.loads(out.read_text())["sections"]["logprobs"]["tables"]
     assert len(tables) == len(logprobs.PROBLEMS)
