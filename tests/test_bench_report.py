@@ -164,3 +164,32 @@ def test_progress_plans_the_total_and_reanchors_after_each_section():
     assert progress.bar.n == 10
     progress.close()
     assert Progress(total=None, enabled=False).bar is None
+
+
+@pytest.mark.slow  # every section in child processes, some compiling: about 3 minutes on 2 cores
+def test_default_run_every_section_end_to_end_at_tiny_shapes(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUNCTIONAL_CE_COMPILE", "0")  # eager chunk maths in every child process
+    argv = ["--no-progress", "--out", str(tmp_path / "run"),
+            "--ce-shape", "64,512", "--ce-repeats", "2",
+            "--lce-shape", "64,32,512", "--lce-repeats", "2",
+            "--logprobs-n", "64", "--logprobs-h", "32", "--logprobs-v", "512",
+            "--dist-shape", "64,500", "--dist-hidden-shape", "32,16,500", "--dist-repeats", "2",
+            "--packing-families", "llama", "--packing-backends", "eager", "sdpa", "--packing-sweep", "llama",
+            "--packing-docs", "200", "--packing-max-length", "512",
+            "--ac-seq", "32", "--ac-layers", "1", "--ac-repeats", "2", "--ac-time-budget", "0"]
+    assert main(argv) == 0
+    payload = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert list(payload["sections"]) == ["ce", "lce", "logprobs", "dist", "packing", "ac", "summary"]
+    peers_missing = ("not installed", "CUDA only")
+    for name, section in payload["sections"].items():
+        for table in section["tables"]:
+            if table["columns"][-1] != "status":
+                continue
+            for row in table["rows"]:
+                assert row[-1] == "ok" or any(p in row[-1] for p in peers_missing), (name, table["title"], row)
+    (summary,) = payload["sections"]["summary"]["tables"]
+    assert [row[0] for row in summary["rows"]] == ["ce", "lce", "logprobs", "dist", "packing", "ac", "all"]
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert md.count("Reproduce: `python -m bench") >= 12 and "![ac_presets](plots/ac_presets.png)" in md
+    # the spreads --compare judges by were measured
+    assert any(t["spread"] for s in payload["sections"].values() for t in s["tables"])
