@@ -13,7 +13,6 @@ import argparse
 import importlib
 import importlib.util
 import logging
-import platform
 import shlex
 import shutil
 import sys
@@ -69,14 +68,9 @@ def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
     return p
 
 
-def _header() -> str:
-    cpu = platform.processor() or platform.machine()
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu}, {torch.get_num_threads()} threads)"
-    return (
-        f"# bench report {time.strftime('%Y-%m-%d %H:%M')}\n"
-        f"torch {torch.__version__}, python {platform.python_version()}, {dev}\n"
-        f"command: python -m bench {' '.join(shlex.quote(a) for a in sys.argv[1:])}".rstrip()
-    )
+def _header(facts: dict[str, object]) -> str:
+    """The run's facts (see :func:`bench.report_folder.run_facts`) as the first lines printed."""
+    return f"# bench report {facts['date']}\n" + "\n".join(f"{k}: {v}" for k, v in facts.items() if k != "date")
 
 
 class Progress:
@@ -120,8 +114,8 @@ def _summary(sections: list, seconds: dict[str, float], argv: list[str]) -> Sect
     for name, _, section in sections:
         statuses = [row[-1] for table in section.tables for row in table.rows
                     if table.columns and table.columns[-1] == "status"]
-        rows.append([name, round(seconds[name], 1), len(section.tables), sum(s == "ok" for s in statuses),
-                     len(statuses) - sum(s == "ok" for s in statuses)])
+        ok = sum(s == "ok" for s in statuses)
+        rows.append([name, round(seconds[name], 1), len(section.tables), ok, len(statuses) - ok])
     rows.append(["all", round(sum(seconds.values()), 1), sum(r[2] for r in rows), sum(r[3] for r in rows),
                  sum(r[4] for r in rows)])
     table = Table(title="summary: what ran, and how long", columns=["section", "wall time (s)", "tables",
@@ -149,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     planned = {n: _planned(m, args) for n, m in chosen.items()}
     total = None if None in planned.values() else sum(planned.values())
     progress = Progress(total, enabled=not args.no_progress)
+    facts = report_folder.run_facts(args.device, argv)
 
-    print(_header(), flush=True)
+    print(_header(facts), flush=True)
     sections, seconds = [], {}
     for name, mod in chosen.items():
         start = time.perf_counter()
@@ -173,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                 for path in plots[name]:
                     shutil.copy2(path, args.plot / path.name)
     named = [(n, s) for n, _, s in sections] + [("summary", summary)]
-    facts = report_folder.run_facts(args.device, argv)
     comparison = None
     if old is not None:
         payload = report_folder.to_json(facts, named, {})

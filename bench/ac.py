@@ -224,8 +224,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             "(the CPU may be shared with other jobs; every step is in --json)",
         ],
         command=_command(args),
-        spread={preset: spread_of(r["steps_ms"]) for preset, r in results.items()
-                if spread_of(r["steps_ms"]) is not None},
+        spread={preset: s for preset, r in results.items() if (s := spread_of(r["steps_ms"])) is not None},
     )
     first = {k: (results[k]["live"], results[k]["peak"]) for k in ("none", "non_moe", MOE_SELECTIVE)}
     sens = [_sensitivity_row("the model above", first)]

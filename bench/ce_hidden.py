@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .measure import Measurement, measure
-from .modes import override, pick, sweeps
+from .modes import override, per_shape, pick, shape_list, sweeps
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -216,8 +216,7 @@ FULL_HF = "4,512,32000"
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the quick or full defaults of the flags the user left unset."""
-    given = args.lce_shape and [x.strip() for x in args.lce_shape.split(";") if x.strip()]
-    return override(args, lce_shapes=pick(args, given or None, QUICK_SHAPES, FULL_SHAPES),
+    return override(args, lce_shapes=shape_list(args, args.lce_shape, QUICK_SHAPES, FULL_SHAPES),
                     lce_repeats=pick(args, args.lce_repeats, 3, 2), lce_hf=pick(args, args.lce_hf, "none", FULL_HF))
 
 
@@ -378,12 +377,7 @@ def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tup
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     args = _resolved(args)
-    tables, data = [], {}
-    for shape in args.lce_shapes:
-        table, shape_data = _lce_table(override(args, lce_shape=shape), tick)
-        tables.append(table)
-        data = data or shape_data  # the first shape's figures at the top, as before
-        data.setdefault("by_shape", {})[shape] = shape_data["results"]
+    tables, data = per_shape(args, "lce_shape", args.lce_shapes, _lce_table, tick)
     args = override(args, lce_shape=args.lce_shapes[0])
     if args.lce_profile:
         profile_table, profile_data = _profile_table(args, tick)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .measure import Measurement, measure
-from .modes import override, pick, sweeps
+from .modes import per_shape, shape_list, sweeps
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,8 +108,7 @@ FULL_SHAPES = ["2048,128256", "4096,128256"]
 
 
 def shapes(args: argparse.Namespace) -> list[str]:
-    given = args.ce_shape and [x.strip() for x in args.ce_shape.split(";") if x.strip()]
-    return pick(args, given or None, QUICK_SHAPES, FULL_SHAPES)
+    return shape_list(args, args.ce_shape, QUICK_SHAPES, FULL_SHAPES)
 
 
 def count(args: argparse.Namespace) -> int:
@@ -143,12 +142,7 @@ def _command(args: argparse.Namespace, shape: str) -> str:
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
-    tables, data = [], {}
-    for shape in shapes(args):
-        table, shape_data = _table(override(args, ce_shape=shape), tick)
-        tables.append(table)
-        data = data or shape_data  # the first shape's figures at the top, as before
-        data.setdefault("by_shape", {})[shape] = shape_data["results"]
+    tables, data = per_shape(args, "ce_shape", shapes(args), _table, tick)
     if sweeps(args):
         n, v = data["shape"]
         sweep = {}

@@ -153,6 +153,17 @@ def _autocast_inputs(hidden: object, weight: object, bias: object) -> tuple:
     return cast(hidden), cast(weight), cast(bias)
 
 
+def gathered_head(weight: Any, bias: Any) -> tuple:
+    """FSDP2 (sharded parameters, plain activations): the full weight and bias of a head whose
+    parameters are DTensors, gathered for the call; plain tensors as they are."""
+    if not (is_dtensor(weight) or is_dtensor(bias)):
+        return weight, bias
+    from .distributed.fsdp import gathered_parameter
+
+    return (gathered_parameter(weight, "weight") if is_dtensor(weight) else weight,
+            gathered_parameter(bias, "bias") if is_dtensor(bias) else bias)
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                          bias: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` without ever building them.
@@ -219,11 +230,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         from .distributed.vocab import vocab_parallel_loss
 
         return vocab_parallel_loss("hidden", hidden, weight, bias, labels, options)
-    if is_dtensor(weight) or is_dtensor(bias):  # FSDP2: sharded parameters, plain activations
-        from .distributed.fsdp import gathered_parameter
-
-        weight = gathered_parameter(weight, "weight") if is_dtensor(weight) else weight
-        bias = gathered_parameter(bias, "bias") if is_dtensor(bias) else bias
+    weight, bias = gathered_head(weight, bias)
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, batch_shape=hidden.shape[:-1], n_classes=n_classes,
                              device=hidden.device)

@@ -14,7 +14,7 @@ import torch
 
 from . import driver
 from .inputs import make_spec
-from .loss import _autocast_inputs, _check_linear_inputs, check_float, is_dtensor
+from .loss import _autocast_inputs, _check_linear_inputs, check_float, gathered_head, is_dtensor
 from .spec import keyword_signature
 
 LogProbs = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -36,17 +36,6 @@ def _vocab_parallel(form: str, x: Any, weight: Any, bias: Any, labels: Any, opti
     from .distributed.vocab import vocab_parallel_loss
 
     return vocab_parallel_loss(form, x, weight, bias, labels, options, loss=loss, **teacher)
-
-
-def _gathered(weight: Any, bias: Any) -> tuple:
-    """FSDP2: the full weight and bias of a head whose parameters are sharded DTensors (plain
-    hidden states); plain tensors as they are."""
-    if not (is_dtensor(weight) or is_dtensor(bias)):
-        return weight, bias
-    from .distributed.fsdp import gathered_parameter
-
-    return (gathered_parameter(weight, "weight") if is_dtensor(weight) else weight,
-            gathered_parameter(bias, "bias") if is_dtensor(bias) else bias)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -> LogProbs:
@@ -123,7 +112,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if is_dtensor(hidden):
         rows = _vocab_parallel("hidden", hidden, weight, bias, labels, options, "token_logprobs")
         return _split(rows, options.get("return_entropy", False))
-    weight, bias = _gathered(weight, bias)
+    weight, bias = gathered_head(weight, bias)
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
                              n_classes=n_classes, device=hidden.device)
@@ -233,7 +222,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     if is_dtensor(hs):
         return _vocab_parallel("hidden", hs, ws, bs, labels, options, "distillation", second=(ht, wt, bt),
                                teacher_grad=teacher_grad)
-    (ws, bs), (wt, bt) = _gathered(ws, bs), _gathered(wt, bt)
+    (ws, bs), (wt, bt) = gathered_head(ws, bs), gathered_head(wt, bt)
     n = math.prod(hs.shape[:-1])
     spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
                              n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
