@@ -54,16 +54,23 @@ class PolicyHandle:
     """Undoes exactly what :func:`apply_policy` did; also a context manager.
 
     ``plan`` is the :class:`~ac_policies.plan.Plan` that was applied; ``active`` is False
-    after :meth:`remove`. Removing twice is a no-op.
+    after :meth:`remove`. Removing twice is a no-op. If a wrapped module's ``forward`` was
+    replaced after the policy wrapped it, ``remove()`` raises ``ValueError`` and changes
+    nothing: putting the previous forward back would delete that later code.
     """
 
     def __init__(self, plan: Plan, changes: list[tuple[nn.Module, PlanRow, Any, Callable]]) -> None:
         self.plan = plan
         self._changes = changes
-        self.active = True
+        self._removed = False
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` succeeds."""
+        return not self._removed
 
     def remove(self) -> None:
-        if not self.active:
+        if self._removed:
             return
         for module, row, previous, ours in self._changes:
             if module.__dict__.get("forward") is not ours:
@@ -76,7 +83,7 @@ class PolicyHandle:
                 del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = previous
-        self.active = False
+        self._removed = True
         logger.info("ac_policies: removed %d wrapper(s)", len(self._changes))
 
     def __enter__(self) -> "PolicyHandle":

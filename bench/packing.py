@@ -70,7 +70,7 @@ def _leak_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[
     import transformers
 
     from model_patches import enable_packing
-    from model_patches.packing_oracle import logits_gap, packed_batch, tiny_model
+    from model_patches.testing.packing_oracle import logits_gap, packed_batch, tiny_model
 
     batch = packed_batch()
     columns = ["family"]

@@ -3,7 +3,7 @@
 For each family: the max |packed logits - each document alone| with stock Transformers, then
 the outcome under ``enable_packing(model=...)`` and under plain ``enable_packing()`` (the
 forward-time guard), with the patched gap or the reason of the refusal. Reuses
-:func:`model_patches.family_sweep.sweep_family`, which the tests run over every family.
+:func:`model_patches.testing.family_sweep.sweep_family`, which the tests run over every family.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _verdict(result: Any) -> str:
 def family_table(args: argparse.Namespace, command: str, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
     import transformers
 
-    from model_patches.family_sweep import causal_lm_families, sweep_family
+    from model_patches.testing.family_sweep import causal_lm_families, sweep_family
 
     names = causal_lm_families() if args.packing_sweep == ["all"] else args.packing_sweep
     rows, data = [], {}

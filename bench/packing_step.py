@@ -6,7 +6,7 @@ batch of 4 rows x 512 tokens packed by ``PackingCollator`` from documents of 8-3
 compiles the model with ``torch.compile`` and returns one forward + backward step. Without
 ``enable_packing`` the same indexed batch runs through stock Transformers (documents leak; this is
 the speed baseline only); with it, Llama is compiled with ``fullgraph=True`` and Qwen3-Next runs
-its mixer per document (graph breaks around the layout read, see ``model_patches.document_mixers``).
+its mixer per document (graph breaks around the layout read, see ``model_patches.packing.document_mixers``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,36 @@
-"""Version-gated registries of Hugging Face Transformers patches."""
+"""Version-gated registries of Hugging Face Transformers patches.
+
+- :mod:`model_patches.packing`: sequence packing that keeps documents apart.
+- :mod:`model_patches.loss`: the causal-LM loss on ``functional_ce``, with or without logits.
+- :mod:`model_patches.testing`: test tooling (the flash-attention double, the packing oracle,
+  the family sweep, the tiny-model factory).
+- :mod:`model_patches.registry` (records, handles, status rows) and :mod:`model_patches.calls`
+  (call introspection) serve them all.
+"""
 
 import importlib
 from typing import Any
 
 # public name -> submodule; imported on first use so that `import model_patches` stays light.
-_LAZY: dict[str, str] = {}
-
-# packing (sequence packing that keeps documents apart)
-_LAZY.update(
-    enable_packing="packing",
-    packing_status="packing",
-    PackingCollator="collator",
-    PatchRecord="registry",
-    PatchHandle="registry",
-    PatchError="registry",
-    apply_records="registry",
-    record_status="registry",
-)
-
-# loss path (causal-LM loss without the fp32 logits copy, or without logits at all)
-_LAZY.update(
-    enable_chunked_loss="loss_records",
-    chunked_loss_status="loss_records",
-    causal_lm_loss="hidden_state_loss",
-    enable_hidden_state_loss="hidden_state_loss",
-    HiddenStateLossHandle="hidden_state_loss",
-)
-
-# RL log-probs and distillation from hidden states (no logits)
-_LAZY.update(
-    causal_lm_token_logprobs="logprob_loss",
-    causal_lm_distillation_loss="logprob_loss",
-)
+_LAZY: dict[str, str] = {
+    # packing
+    "enable_packing": "packing.enable",
+    "packing_status": "packing.enable",
+    "PackingCollator": "packing.collator",
+    # the loss path
+    "enable_chunked_loss": "loss.chunked_loss",
+    "chunked_loss_status": "loss.chunked_loss",
+    "causal_lm_loss": "loss.hidden_state_loss",
+    "enable_hidden_state_loss": "loss.hidden_state_loss",
+    "causal_lm_token_logprobs": "loss.token_losses",
+    "causal_lm_distillation_loss": "loss.token_losses",
+    # what they return and raise
+    "PatchHandle": "registry",
+    "HiddenStateLossHandle": "loss.hidden_state_loss",
+    "StatusRow": "registry",
+    "StatusTable": "registry",
+    "PatchError": "registry",
+}
 
 __all__: list[str] = sorted(_LAZY)
 

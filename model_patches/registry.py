@@ -39,6 +39,7 @@ __all__ = [
     "PatchHandle",
     "PatchError",
     "StatusRow",
+    "StatusTable",
     "apply_records",
     "record_status",
     "live_records",
@@ -64,7 +65,8 @@ class PatchRecord:
 
     ``probe(original) -> None`` when ``original`` has the expected shape, else a short reason.
     ``build(original) -> replacement``. ``epoch`` groups records for readers
-    (``"4.53-5.3"``); ``newest_tested`` overrides :data:`NEWEST_TESTED` for this record.
+    (``"4.53-5.3"``); ``newest_tested`` overrides :data:`NEWEST_TESTED` for this record;
+    ``table`` names the table that made it (``"packing"``, ``"loss"``), for status functions.
     """
 
     name: str
@@ -75,6 +77,7 @@ class PatchRecord:
     epoch: str = ""
     doc: str = ""
     newest_tested: str = ""
+    table: str = ""
 
     def __post_init__(self) -> None:
         module, sep, attr = self.target.partition(":")
@@ -112,6 +115,19 @@ class StatusRow:
     state: str
     reason: str
     epoch: str = ""
+
+
+class StatusTable(list):
+    """The rows of a status function (a list of :class:`StatusRow`) that prints as a table."""
+
+    _COLUMNS = ("state", "name", "versions", "reason")
+
+    def __str__(self) -> str:
+        cells = [self._COLUMNS] + [tuple(str(getattr(r, c)) for c in self._COLUMNS) for r in self]
+        widths = [min(max(len(row[i]) for row in cells), 72) for i in range(len(self._COLUMNS))]
+        lines = ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
 
 
 def installed_version() -> str:
@@ -189,23 +205,36 @@ class PatchHandle:
     """Undo handle of :func:`apply_records`; also a context manager.
 
     ``remove()`` releases this handle's references; a target gets its original back when the
-    last handle holding it is removed. Removing twice is a no-op.
+    last handle holding it is removed. Removing twice is a no-op. If something replaced a
+    patched target after this handle patched it (another library wrapping the wrapper),
+    ``remove()`` raises ``ValueError`` naming the target and changes nothing: putting the
+    original back would delete that later code, and it still calls this handle's replacement.
+    Remove the later patch first, then this handle.
     """
 
-    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow]) -> None:
+    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "") -> None:
         self._targets = list(targets)
-        self.rows: list[StatusRow] = list(rows)  # what apply_records did, one row per record
+        self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
+        self._what = what
         self._removed = False
 
     @property
     def active(self) -> bool:
-        """True until :meth:`remove` is called."""
+        """True until :meth:`remove` succeeds."""
         return not self._removed
 
     def remove(self) -> None:
         with _LOCK:
             if self._removed:
                 return
+            releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
+            replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
+            if replaced:
+                raise ValueError(
+                    f"cannot remove {self!r}: {', '.join(replaced)} was replaced by other code after this "
+                    "handle patched it, and that code still calls this handle's replacement; restoring the "
+                    "original would delete it. Remove the later patch first, then call handle.remove()"
+                )
             self._removed = True
             for target in reversed(self._targets):
                 entry = _ACTIVE.get(target)
@@ -215,13 +244,7 @@ class PatchHandle:
                 if entry[5] > 0:
                     continue
                 del _ACTIVE[target]
-                record, owner, attr, original, replacement, _ = entry
-                current = getattr(owner, attr, None)
-                if current is not replacement:
-                    logger.warning(
-                        "%s was replaced again by someone else after %r patched it; restoring the "
-                        "original anyway", target, record.name,
-                    )
+                record, owner, attr, original, _, _ = entry
                 setattr(owner, attr, original)
                 logger.info("restored %s (%s)", target, record.name)
 
@@ -233,17 +256,20 @@ class PatchHandle:
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "active"
-        return f"PatchHandle({len(self._targets)} patches, {state})"
+        what = f"{self._what}: " if self._what else ""
+        return f"<PatchHandle {what}{len(self._targets)} patches, {state}>"
 
 
 def apply_records(
-    records: Sequence[PatchRecord], *, strict: bool = True, version: Optional[str] = None
+    records: Sequence[PatchRecord], *, strict: bool = True, version: Optional[str] = None, what: str = ""
 ) -> PatchHandle:
     """Apply every record whose gate and probe pass; return the undo handle.
 
     ``version`` overrides the detected Transformers version (for tests of the gate logic).
-    With ``strict=True`` any admitted record that cannot be applied raises :class:`PatchError`
-    before anything is patched; with ``strict=False`` it is logged and left out.
+    ``strict`` means what it means across this library: a problem that would otherwise be a
+    warning is an error. Here: with ``strict=True`` any admitted record that cannot be applied
+    raises :class:`PatchError` before anything is patched; with ``strict=False`` it is logged
+    as a warning and left out. ``what`` names the patches in the handle's ``repr``.
     """
     version = version or installed_version()
     with _LOCK:
@@ -271,7 +297,7 @@ def apply_records(
             elif state == "skipped":
                 logger.debug("skipped %s: %s", rec.name, reason)
             rows.append(StatusRow(rec.name, rec.target, rec.versions, state, reason, rec.epoch))
-        return PatchHandle(targets, rows)
+        return PatchHandle(targets, rows, what)
 
 
 def _patch(rec: PatchRecord) -> None:
@@ -307,7 +333,7 @@ def is_applied(target: str) -> bool:
     return entry is not None and getattr(entry[1], entry[2], None) is entry[4]
 
 
-def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> list[StatusRow]:
+def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> StatusTable:
     """One row per record: applied (by a live handle), available, skipped or failed, and why."""
     version = version or installed_version()
     rows = []
@@ -319,4 +345,4 @@ def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = No
             else:
                 state, reason = _check(rec, version)
             rows.append(StatusRow(rec.name, rec.target, rec.versions, state, reason, rec.epoch))
-    return rows
+    return StatusTable(rows)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from model_patches import PackingCollator
-from model_patches.collator import first_fit_decreasing
+from model_patches.packing.collator import first_fit_decreasing
 
 docs_strategy = st.lists(st.lists(st.integers(1, 999), min_size=1, max_size=20), min_size=1, max_size=25)
 
@@ -71,7 +71,7 @@ def test_dict_examples_keep_their_labels() -> None:
 
 def test_overlong_truncate_split_error(caplog) -> None:
     long = list(range(1, 12))
-    with caplog.at_level(logging.WARNING, logger="model_patches.collator"):
+    with caplog.at_level(logging.WARNING, logger="model_patches.packing.collator"):
         truncated = PackingCollator(4)([long])
     assert "truncated" in caplog.text
     assert [d[0] for d in _unpack(truncated)] == [[1, 2, 3, 4]]

@@ -39,7 +39,7 @@ def test_loss_and_gradients_match_the_models_own_loss(model_type):
 
 
 def test_every_verified_model_type_is_tested_here():
-    from model_patches.hidden_state_loss import VERIFIED_MODEL_TYPES
+    from model_patches.loss.hidden_state_loss import VERIFIED_MODEL_TYPES
 
     assert VERIFIED_MODEL_TYPES <= set(FAMILIES), sorted(VERIFIED_MODEL_TYPES - set(FAMILIES))
 
@@ -130,12 +130,12 @@ def test_batch_without_labels_is_refused():
 
 
 def test_unverified_model_type_warns_once_and_still_matches(caplog):
-    from model_patches import hidden_state_loss
+    from model_patches.loss import hidden_state_loss
 
     hidden_state_loss._warned_types.discard("starcoder2")
     model = tiny_model("starcoder2")
     batch = padded_batch()
-    with caplog.at_level("WARNING", logger="model_patches.hidden_state_loss"):
+    with caplog.at_level("WARNING", logger="model_patches.loss.hidden_state_loss"):
         ours = _ours(model, batch)
         model_patches.causal_lm_loss(model, **batch)
     warned = [r for r in caplog.records if "starcoder2" in r.getMessage()]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model_patches
-from model_patches.hidden_state_loss import VERIFIED_MODEL_TYPES
+from model_patches.loss.hidden_state_loss import VERIFIED_MODEL_TYPES
 from tests.hf_tiny import grads, packed_batch, padded_batch, tiny_model
 from tests.reference import reference_generalized_jsd, reference_token_logprobs
 

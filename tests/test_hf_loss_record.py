@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import model_patches
-from model_patches import loss_records
+from model_patches.loss import chunked_loss
 from tests.alloc_trace import AllocationTrace
 from tests.hf_tiny import VOCAB, grads, packed_batch, padded_batch, tiny_model
 
@@ -24,7 +24,7 @@ def test_routed_loss_equals_transformers_loss(model_type, dtype):
     batch = padded_batch()
     ref_loss, ref_grads = _loss_and_grads(model, batch)
     with model_patches.enable_chunked_loss():
-        assert model.loss_function is loss_records.chunked_causal_lm_loss
+        assert model.loss_function is chunked_loss.chunked_causal_lm_loss
         loss, got = _loss_and_grads(model, batch)
     # Same fp32 maths on the same logits: equal up to summation order.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -88,8 +88,8 @@ def _check_patched(mu, patched, first):
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     assert mu.LOSS_MAPPING is patched, "applying twice must not stack a second patch"
-    assert patched["ForCausalLM"] is loss_records.chunked_causal_lm_loss
-    assert patched["ForConditionalGeneration"] is loss_records.chunked_causal_lm_loss
+    assert patched["ForCausalLM"] is chunked_loss.chunked_causal_lm_loss
+    assert patched["ForConditionalGeneration"] is chunked_loss.chunked_causal_lm_loss
     assert patched["ForMaskedLM"] is LOSS_MAPPING["ForMaskedLM"]
     # The Trainer (5.x) decides how to count num_items_in_batch by identity with ForCausalLMLoss.
     if hasattr(trainer, "LOSS_MAPPING"):
@@ -102,16 +102,16 @@ def _check_patched(mu, patched, first):
 def test_version_gate_and_probe():
     from model_patches.registry import record_status
 
-    (row,) = record_status(loss_records.LOSS_RECORDS, version="4.46.0")
+    (row,) = record_status(chunked_loss.LOSS_RECORDS, version="4.46.0")
     assert row.state == "skipped" and "4.46.0" in row.reason
 
     def old_style(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
         return logits.sum()
 
-    reason = loss_records._probe_loss_mapping({"ForCausalLM": old_style})
+    reason = chunked_loss._probe_loss_mapping({"ForCausalLM": old_style})
     assert reason and "shift_labels" in reason
-    assert loss_records._probe_loss_mapping({"ForMaskedLM": old_style}) == "it has no 'ForCausalLM' entry"
-    assert loss_records._probe_loss_mapping([]) is not None
+    assert chunked_loss._probe_loss_mapping({"ForMaskedLM": old_style}) == "it has no 'ForCausalLM' entry"
+    assert chunked_loss._probe_loss_mapping([]) is not None
 
 
 def test_no_valid_label_gives_zero_instead_of_nan():

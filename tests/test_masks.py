@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from model_patches.masks import (
+from model_patches.packing.masks import (
     block_causal_mask_function,
     dense_block_causal_mask,
     document_ids,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model_patches import enable_packing
-from model_patches.packing_oracle import (
+from model_patches.testing.packing_oracle import (
     BACKENDS,
     FAMILIES_UNDER_TEST,
     grad_gap,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from model_patches.family_sweep import causal_lm_families, sweep_family
+from model_patches.testing.family_sweep import causal_lm_families, sweep_family
 
 #: family (+ config overrides) -> the outcome it must have on every supported release.
 REPRESENTATIVE: dict[str, tuple[dict, str]] = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model_patches import enable_packing
-from model_patches.packing_oracle import documents, packed_batch
+from model_patches.testing.packing_oracle import documents, packed_batch
 from tests.hf_tiny import tiny_model
 
 FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe"]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_patches import enable_packing
-from model_patches.packing_oracle import logits_gap, tiny_model
+from model_patches.testing.packing_oracle import logits_gap, tiny_model
 
 TOL = 1e-4
 

@@ -13,10 +13,11 @@ import torch
 import transformers
 import transformers.masking_utils as mu
 import transformers.modeling_flash_attention_utils as fu
-from model_patches import PatchError, apply_records, enable_packing, packing_status
-from model_patches.packing import EPOCHS, FAMILIES, check_model, packing_records
-from model_patches.packing_oracle import packed_batch, tiny_model
-from model_patches.registry import record_status
+from model_patches import PatchError, enable_packing, packing_status
+from model_patches.packing import check_model
+from model_patches.packing.table import COVERED_FAMILIES, EPOCHS, packing_records
+from model_patches.testing.packing_oracle import packed_batch, tiny_model
+from model_patches.registry import apply_records, record_status
 from model_patches.testing import use_attention
 
 INDEXED = torch.tensor([[1, 1, 2, 2, 2, 0]])
@@ -186,9 +187,9 @@ def test_newer_release_runs_probes_and_warns() -> None:
 
 
 def test_already_imported_modules_are_discovered() -> None:
-    import transformers.models.arcee.modeling_arcee  # noqa: F401 - not in FAMILIES
+    import transformers.models.arcee.modeling_arcee  # noqa: F401 - not in COVERED_FAMILIES
 
-    assert "arcee" not in FAMILIES
+    assert "arcee" not in COVERED_FAMILIES
     assert any("modeling_arcee:create_causal_mask" in r.target for r in packing_status())
 
 
@@ -216,12 +217,12 @@ def test_late_import_falls_back_after_remove() -> None:
 
 
 def test_status_lists_every_live_record_however_it_was_applied() -> None:
-    """Modules patched through model= (not in FAMILIES), the MoE aux-loss records, one refused
+    """Modules patched through model= (not in COVERED_FAMILIES), the MoE aux-loss records, one refused
     row per capability and one made-correct row for capabilities packing makes document-aware."""
-    from model_patches.family_sweep import tiny_causal_lm
+    from model_patches.testing.family_sweep import tiny_causal_lm
 
     model = tiny_causal_lm("olmo")
-    assert "olmo" not in FAMILIES
+    assert "olmo" not in COVERED_FAMILIES
     target = "transformers.models.olmo.modeling_olmo:create_causal_mask"
     aux = "transformers.models.mixtral.modeling_mixtral:load_balancing_loss_func"
     with enable_packing(model=model):

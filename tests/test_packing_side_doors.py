@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from model_patches import enable_packing
-from model_patches.family_sweep import tiny_causal_lm
-from model_patches.packing_oracle import logits_gap, packed_batch
+from model_patches.testing.family_sweep import tiny_causal_lm
+from model_patches.testing.packing_oracle import logits_gap, packed_batch
 from model_patches.testing import use_attention
 
 TOL, LEAK = 1e-4, 1e-2
@@ -120,8 +120,8 @@ def test_a_stateful_family_missing_from_the_registry_is_still_refused(monkeypatc
     under plain enable_packing() the recurrent-mask guard refuses what the builder let through."""
     import dataclasses
 
-    import model_patches.capabilities as capabilities
-    import model_patches.packing_patches as patches
+    import model_patches.packing.coverage as capabilities
+    import model_patches.packing.mask_builders as patches
 
     model, batch = use_attention(_model("qwen3_next"), "sdpa"), packed_batch()
     emptied = tuple(dataclasses.replace(c, families=(), made_correct=()) for c in capabilities.CAPABILITIES)

@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model_patches import enable_packing
-from model_patches.alibi import build_alibi
-from model_patches.capabilities import refusals_for_model
-from model_patches.document_mixers import document_ids_from_cu_seqlens, segment_layout
-from model_patches.family_sweep import tiny_causal_lm
-from model_patches.masks import document_ids
-from model_patches.packing_oracle import documents, grad_gap, logits_gap, packed_batch
+from model_patches.packing.alibi import build_alibi
+from model_patches.packing.coverage import refusals_for_model
+from model_patches.packing.document_mixers import document_ids_from_cu_seqlens, segment_layout
+from model_patches.testing.family_sweep import tiny_causal_lm
+from model_patches.packing.masks import document_ids
+from model_patches.testing.packing_oracle import documents, grad_gap, logits_gap, packed_batch
 
 TOL, LEAK = 1e-4, 1e-2
 MIXERS = ("qwen3_next", "bamba", "jamba", "mamba")  # mamba: no attention, mask straight to its mixers
@@ -137,7 +137,7 @@ def test_a_cache_cannot_carry_packed_documents(family: str) -> None:
 def test_a_made_correct_family_whose_record_cannot_apply_is_refused(monkeypatch) -> None:
     """If a family's mixer record does not fit (here: a target that does not exist, applied with
     strict=False), the family is refused at forward time, never silently run unpatched."""
-    import model_patches.capabilities as capabilities
+    import model_patches.packing.coverage as capabilities
 
     model, batch = _model("qwen3_next"), packed_batch()
     broken = []

@@ -1,4 +1,4 @@
-"""Probes and replacement builders for the packing records (see :mod:`model_patches.packing`).
+"""The mask builders of the packing records: the replacements a packed forward runs through.
 
 Two replacements. The builders read every 2D integer or floating mask as document ids (a 0/1
 padding mask is one document per row plus padding, so nothing needs to look at the values
@@ -15,7 +15,7 @@ pass through to Transformers unchanged:
   returned as the layer mask.
 - ``modeling_flash_attention_utils._get_unpad_data``: a document-id mask yields one varlen
   sequence per document (per-document ``cu_seqlens``); a 0/1 mask keeps the original.
-- the guards (refusals of what cannot be made document-aware) live in :mod:`model_patches.guards`.
+- the guards (refusals of what cannot be made document-aware) live in :mod:`.guards`.
 
 Each wrapper stays live only while its target still points at it, so a module that imported
 a wrapper while packing was on falls back to the original after the handle is removed.
@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .capabilities import capabilities_for_config
-from .guards import _arg, _is_live, _params, check_positions, refuse_packed_input
+from ..calls import argument, is_live, mask_arguments_probe, parameters, unwrapped, with_arguments
+from .coverage import capabilities_for_config
+from .guards import check_positions, refuse_packed_input
 from .masks import (
     document_ids,
     is_indexed_mask,
@@ -60,9 +61,10 @@ def mask_builder_probe(cache_arg: str, needs_cache_position: bool) -> Callable[[
     and ``and_mask_function``, and ``cache_position`` exactly when this epoch had it."""
 
     def probe(fn: Any) -> Optional[str]:
-        params = _params(fn)
-        if params[:3] not in (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"]):
-            return f"expected parameters (config, inputs_embeds, attention_mask, ...), found {params[:3]}"
+        shape = mask_arguments_probe(fn)
+        if shape:
+            return shape
+        params = parameters(fn)
         for name in (cache_arg, "and_mask_function"):
             if name not in params:
                 return f"no {name!r} parameter (found {params})"
@@ -81,8 +83,7 @@ def same_function_probe(name: str, cache_arg: str, needs_cache_position: bool) -
     base = mask_builder_probe(cache_arg, needs_cache_position)
 
     def probe(fn: Any) -> Optional[str]:
-        reference = getattr(importlib.import_module(_MASKING), name)
-        reference = getattr(reference, "_packing_original", reference)
+        reference = unwrapped(getattr(importlib.import_module(_MASKING), name))
         if fn is not reference:
             return f"{name} is not masking_utils.{name}: this model module builds its masks another way"
         return base(fn)
@@ -95,22 +96,19 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
     """Builder of the ``create_*causal_mask`` replacement for ``target`` (see module docstring)."""
 
     def build(original: Callable) -> Callable:
-        params = _params(original)
-        i_mask, i_embeds = params.index("attention_mask"), 1
-        i_cache = params.index(cache_arg)
-        i_and = params.index("and_mask_function")
-        i_pos = params.index("position_ids") if "position_ids" in params else None
+        params = parameters(original)
+        has_positions = "position_ids" in params
 
         @functools.wraps(original)
         def packed_mask(*args: Any, **kwargs: Any) -> Any:
-            if not _is_live(target, packed_mask):
+            if not is_live(target, packed_mask):
                 return original(*args, **kwargs)
-            mask = _arg(args, kwargs, ("attention_mask",), i_mask)
-            config = _arg(args, kwargs, ("config",), 0)
-            positions = _arg(args, kwargs, ("position_ids",), i_pos) if i_pos is not None else None
+            mask = argument(args, kwargs, params, "attention_mask")
+            config = argument(args, kwargs, params, "config")
+            positions = argument(args, kwargs, params, "position_ids") if has_positions else None
             positions = positions if isinstance(positions, torch.Tensor) and positions.ndim == 2 else None
-            cache = _arg(args, kwargs, (cache_arg, "past_key_values", "cache"), i_cache)
-            embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), i_embeds)
+            cache = argument(args, kwargs, params, cache_arg, "past_key_values", "cache")
+            embeds = argument(args, kwargs, params, "inputs_embeds", "input_embeds")
             caps = capabilities_for_config(config)
             refused = [c for c in caps if c.handling == "refused" and not c.covers(config)]
             if refused:
@@ -124,7 +122,7 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     ids = split_at_position_resets(
                         torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device), positions
                     )
-                    return _same_document_call(original, args, kwargs, ids, cache, (i_mask, i_and, i_pos))
+                    return _same_document_call(original, args, kwargs, params, ids, cache)
                 return original(*args, **kwargs)
             ids = document_ids(mask)
             if positions is not None and positions.shape[-1] == ids.shape[1]:
@@ -146,43 +144,37 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     f"and flash_attention_*, got attn_implementation={impl!r}; switch the model to "
                     "one of those"
                 )
-            return _same_document_call(original, args, kwargs, ids.to(mask.device), cache, (i_mask, i_and, i_pos))
+            return _same_document_call(original, args, kwargs, params, ids.to(mask.device), cache)
 
         packed_mask._packing_original = original  # type: ignore[attr-defined]
-        packed_mask._packing_live = lambda: _is_live(target, packed_mask)  # type: ignore[attr-defined]
+        packed_mask._packing_live = lambda: is_live(target, packed_mask)  # type: ignore[attr-defined]
         return packed_mask
 
     return build
 
 
 def _same_document_call(
-    original: Callable, args: tuple, kwargs: dict, ids: torch.Tensor, cache: Any, index: tuple
+    original: Callable, args: tuple, kwargs: dict, params: list[str], ids: torch.Tensor, cache: Any
 ) -> Any:
     """Call the stock builder with no 2D mask and "same document" ANDed into its mask function.
 
     Transformers then builds its own causal / sliding-window mask in the backend's format (a
     float additive mask for eager, bool for sdpa, a ``BlockMask`` for flex).
     """
-    i_mask, i_and, i_pos = index
     same_doc = same_document_mask_function(ids, _max_cache_length(cache))
-    extra = _arg(args, kwargs, ("and_mask_function",), i_and)
+    extra = argument(args, kwargs, params, "and_mask_function")
     if extra is not None:
         inner = same_doc
 
         def same_doc(b, h, q, kv):  # noqa: F811 - the caller's function AND ours
             return inner(b, h, q, kv) & extra(b, h, q, kv)
 
-    args, kwargs = list(args), dict(kwargs)
+    replace: dict[str, Any] = {"attention_mask": None, "and_mask_function": same_doc}
     # position_ids only feed Transformers' own packed-sequence detection, which would remap
     # every mask function's indices to positions (ours expects token indices): drop them.
-    replace = [("attention_mask", i_mask, None), ("and_mask_function", i_and, same_doc)]
-    if i_pos is not None:
-        replace.append(("position_ids", i_pos, None))
-    for name, index_, value in replace:
-        if index_ < len(args):
-            args[index_] = value
-        else:
-            kwargs[name] = value
+    if "position_ids" in params:
+        replace["position_ids"] = None
+    args, kwargs = with_arguments(args, kwargs, params, **replace)
     return original(*args, **kwargs)
 
 
@@ -213,8 +205,8 @@ def _max_cache_length(cache: Any) -> Optional[int]:
 
 def unpad_probe(fn: Any) -> Optional[str]:
     """``_get_unpad_data(mask)`` must return (indices, cu_seqlens [B+1], max_seqlen) for a 0/1 mask."""
-    if _params(fn)[:1] != ["attention_mask"]:
-        return f"expected a single 'attention_mask' parameter, found {_params(fn)}"
+    if parameters(fn)[:1] != ["attention_mask"]:
+        return f"expected a single 'attention_mask' parameter, found {parameters(fn)}"
     try:
         out = fn(torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.int32))
     except Exception as exc:  # noqa: BLE001 - report any failure as a probe failure

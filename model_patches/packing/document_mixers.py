@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .guards import _params
+from ..calls import argument, parameters, with_arguments
 from .masks import document_ids, reads_as_document_ids
 
 __all__ = ["mixer_probe", "build_mixer", "SegmentLayout", "segment_layout", "document_ids_from_cu_seqlens"]
@@ -56,7 +56,7 @@ _STATELESS = "_packing_stateless_layers"
 def mixer_probe(fn: Any) -> Optional[str]:
     """A mixer ``forward(self, hidden_states, ..., attention_mask, ...)`` with a cache parameter."""
     try:
-        params = _params(fn)
+        params = parameters(fn)
     except (TypeError, ValueError) as exc:
         return f"cannot read its signature ({exc})"
     if params[:2] != ["self", "hidden_states"]:
@@ -148,27 +148,13 @@ def _layer_holds_state(cache: Any, layer_idx: Any) -> bool:
 
 def build_mixer(original: Callable) -> Callable:
     """Mixer ``forward`` that runs every document of a packed row from a fresh state (see module docstring)."""
-    params = _params(original)
-    i_mask = params.index("attention_mask")
+    params = parameters(original)
     cache_name = next(name for name in _CACHE_NAMES if name in params)
-    i_cache = params.index(cache_name)
 
     @functools.wraps(original)
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        call = list((self, hidden_states, *args))
-
-        def get(name: str, index: int) -> Any:
-            if name in kwargs:
-                return kwargs[name]
-            return call[index] if index < len(call) else None
-
-        def put(name: str, index: int, value: Any) -> None:
-            if index < len(call):
-                call[index] = value
-            else:
-                kwargs[name] = value
-
-        mask, cache = get("attention_mask", i_mask), get(cache_name, i_cache)
+        call: tuple = (self, hidden_states, *args)
+        mask, cache = argument(call, kwargs, params, "attention_mask"), argument(call, kwargs, params, cache_name)
         layer = getattr(self, "layer_idx", None)
         if cache is not None and layer in getattr(cache, _STATELESS, ()):
             raise ValueError(
@@ -189,7 +175,7 @@ def build_mixer(original: Callable) -> Callable:
             kwargs.pop(name, None)
         valid = (ids != 0).to(mask.dtype if isinstance(mask, torch.Tensor) and not mask.is_floating_point() else torch.long)
         if layout.one_per_row:
-            put("attention_mask", i_mask, valid)
+            call, kwargs = with_arguments(call, kwargs, params, attention_mask=valid)
             return original(*call, **kwargs)
         if cache is not None:
             if _layer_holds_state(cache, layer):
@@ -201,30 +187,26 @@ def build_mixer(original: Callable) -> Callable:
                 setattr(cache, _STATELESS, getattr(cache, _STATELESS, frozenset()) | {layer})
             except AttributeError:
                 pass
-        put(cache_name, i_cache, None)
-        return _run_per_document(original, call, kwargs, hidden_states, layout, (i_mask, valid.dtype))
+        call, kwargs = with_arguments(call, kwargs, params, **{cache_name: None})
+        return _run_per_document(original, call, kwargs, params, hidden_states, layout, valid.dtype)
 
     forward._packing_original = original  # type: ignore[attr-defined]
     forward._packing_per_document = True  # type: ignore[attr-defined]
     return forward
 
 
-def _run_per_document(original: Callable, call: list, kwargs: dict, hidden_states: torch.Tensor,
-                      layout: SegmentLayout, mask_slot: tuple[int, torch.dtype]) -> torch.Tensor:
+def _run_per_document(original: Callable, call: tuple, kwargs: dict, params: list[str], hidden_states: torch.Tensor,
+                      layout: SegmentLayout, mask_dtype: torch.dtype) -> torch.Tensor:
     """Run ``original`` once per length group and scatter the outputs back to ``[B, L, ...]``."""
-    i_mask, mask_dtype = mask_slot
     batch, length = hidden_states.shape[:2]
     tail = hidden_states.shape[2:]
     flat = torch.cat([hidden_states.reshape(batch * length, *tail), hidden_states.new_zeros(1, *tail)])
     out: Optional[torch.Tensor] = None
     for index, valid in layout.groups:
-        call[1] = flat[index]
-        mask = valid.to(mask_dtype)
-        if i_mask < len(call):
-            call[i_mask] = mask
-        else:
-            kwargs["attention_mask"] = mask
-        result = original(*call, **kwargs)
+        group_args, group_kwargs = with_arguments(
+            call, kwargs, params, hidden_states=flat[index], attention_mask=valid.to(mask_dtype)
+        )
+        result = original(*group_args, **group_kwargs)
         extra = 0
         if isinstance(result, tuple) and result and isinstance(result[0], torch.Tensor):
             result, extra = result[0], len(result) - 1  # (output, state / weights): see below

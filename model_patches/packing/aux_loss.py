@@ -11,13 +11,12 @@ bool masks and ``None`` pass through. No host sync, so it compiles without a bre
 from __future__ import annotations
 
 import functools
-import inspect
-import sys
 from typing import Any, Callable, Optional
 
+from ..calls import argument, parameters, with_arguments
 from .masks import reads_as_document_ids
 
-__all__ = ["AUX_LOSS_NAME", "aux_loss_probe", "build_aux_loss", "aux_loss_modules"]
+__all__ = ["AUX_LOSS_NAME", "aux_loss_probe", "build_aux_loss"]
 
 #: The module-level function each MoE model module calls from its ``ForCausalLM.forward``.
 AUX_LOSS_NAME = "load_balancing_loss_func"
@@ -26,7 +25,7 @@ AUX_LOSS_NAME = "load_balancing_loss_func"
 def aux_loss_probe(fn: Any) -> Optional[str]:
     """The function must take ``attention_mask`` (by name or as its fourth parameter)."""
     try:
-        params = list(inspect.signature(fn).parameters)
+        params = parameters(fn)
     except (TypeError, ValueError) as exc:
         return f"cannot read its signature ({exc})"
     if "attention_mask" not in params:
@@ -36,28 +35,14 @@ def aux_loss_probe(fn: Any) -> Optional[str]:
 
 def build_aux_loss(original: Callable) -> Callable:
     """``load_balancing_loss_func`` that sees a 0/1 validity mask instead of document ids."""
-    index = list(inspect.signature(original).parameters).index("attention_mask")
+    params = parameters(original)
 
     @functools.wraps(original)
     def load_balancing_loss(*args: Any, **kwargs: Any) -> Any:
-        if "attention_mask" in kwargs:
-            if reads_as_document_ids(kwargs["attention_mask"]):
-                mask = kwargs["attention_mask"]
-                kwargs = {**kwargs, "attention_mask": (mask != 0).to(mask.dtype)}
-        elif index < len(args) and reads_as_document_ids(args[index]):
-            mask = args[index]
-            args = (*args[:index], (mask != 0).to(mask.dtype), *args[index + 1 :])
+        mask = argument(args, kwargs, params, "attention_mask")
+        if reads_as_document_ids(mask):
+            args, kwargs = with_arguments(args, kwargs, params, attention_mask=(mask != 0).to(mask.dtype))
         return original(*args, **kwargs)
 
     load_balancing_loss._packing_original = original  # type: ignore[attr-defined]
     return load_balancing_loss
-
-
-def aux_loss_modules() -> list[str]:
-    """Already-imported Transformers model modules that define ``load_balancing_loss_func``."""
-    return sorted(
-        name
-        for name, mod in list(sys.modules.items())
-        if name.startswith("transformers.models.") and ".modeling_" in name and mod is not None
-        and callable(getattr(mod, "__dict__", {}).get(AUX_LOSS_NAME))
-    )

@@ -9,7 +9,7 @@
   ones refuse indexed masks and packed ``position_ids`` (which they ignore or misread); made
   correct ones (Mamba) refuse only packed ``position_ids`` the mask does not separate.
 - the builders' own checks: families with a refused capability (ALiBi, stateful mixers), and
-  absolute position embeddings fed row positions (see :mod:`model_patches.capabilities`).
+  absolute position embeddings fed row positions (see :mod:`model_patches.packing.coverage`).
 
 Checks that need data are ``ValueError``s on CPU eager and ``torch._assert_async`` on an
 accelerator or under ``torch.compile`` (a ``RuntimeError`` with the same message): no host sync,
@@ -19,13 +19,13 @@ no graph break.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from typing import Any, Callable, Optional
 
 import torch
 
-from .capabilities import capabilities_for_config
+from ..calls import argument, is_live, parameters
+from .coverage import capabilities_for_config
 from .masks import document_ids, document_positions, reads_as_document_ids, split_at_position_resets
 
 __all__ = [
@@ -34,30 +34,11 @@ __all__ = [
     "refuse_packed_input",
     "position_restarts",
     "check_positions",
-    "guard_probe",
     "build_guard",
-    "recurrent_probe",
     "build_recurrent_mask",
     "forward_probe",
     "build_forward_guard",
 ]
-
-
-def _params(fn: Any) -> list[str]:
-    return list(inspect.signature(fn).parameters)
-
-
-def _arg(args: tuple, kwargs: dict, names: tuple[str, ...], index: int) -> Any:
-    for name in names:
-        if name in kwargs:
-            return kwargs[name]
-    return args[index] if index < len(args) else None
-
-
-def _is_live(target: str, wrapper: Callable) -> bool:
-    module_name, _, attr = target.partition(":")
-    module = sys.modules.get(module_name)
-    return module is not None and getattr(module, attr, None) is wrapper
 
 
 def refuse_if(flag: torch.Tensor, message: str) -> None:
@@ -139,21 +120,13 @@ def check_positions(ids: torch.Tensor, positions: Optional[torch.Tensor], target
     refuse_if(((ids > 1) & (positions.to(ids.device) != expected)).any(), message)
 
 
-def recurrent_probe(fn: Any) -> Optional[str]:
-    """``create_recurrent_attention_mask`` must take (config, inputs_embeds, attention_mask, ...)."""
-    params = _params(fn)
-    if params[:3] not in (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"]):
-        return f"expected parameters (config, inputs_embeds, attention_mask, ...), found {params[:3]}"
-    return None
-
-
 def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
     """Builder of ``create_recurrent_attention_mask`` under packing.
 
     Transformers hands that 2D mask to Mamba / linear-attention / convolution layers, which
     multiply hidden states by it and carry their state across it. For a family whose mixers run
     per document (its ``stateful_mixer`` records live, see
-    :mod:`model_patches.document_mixers`), the replacement returns the document ids instead:
+    :mod:`model_patches.packing.document_mixers`), the replacement returns the document ids instead:
     from an int / float mask, split further at packed ``position_ids``; from a bool mask or no
     mask, when ``position_ids`` are packed (checked with one host read in eager mode; under
     ``torch.compile`` packed ``position_ids`` without an indexed mask are refused instead, so
@@ -162,13 +135,15 @@ def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
     """
 
     def build(original: Callable) -> Callable:
+        params = parameters(original)
+
         @functools.wraps(original)
         def recurrent_mask(*args: Any, **kwargs: Any) -> Any:
-            if not _is_live(target, recurrent_mask):
+            if not is_live(target, recurrent_mask):
                 return original(*args, **kwargs)
-            mask = _arg(args, kwargs, ("attention_mask",), 2)
-            config = _arg(args, kwargs, ("config",), 0)
-            embeds = _arg(args, kwargs, ("inputs_embeds", "input_embeds"), 1)
+            mask = argument(args, kwargs, params, "attention_mask")
+            config = argument(args, kwargs, params, "config")
+            embeds = argument(args, kwargs, params, "inputs_embeds", "input_embeds")
             mixers = [c for c in capabilities_for_config(config) if c.handling == "refused"]
             if not mixers or any(not c.covers(config) for c in mixers):
                 if reads_as_document_ids(mask):
@@ -215,8 +190,8 @@ def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
 
 def forward_probe(fn: Any) -> Optional[str]:
     """A model ``forward`` guarded by :func:`build_forward_guard` must take ``attention_mask``."""
-    if "attention_mask" not in _params(fn):
-        return f"expected an 'attention_mask' parameter, found {_params(fn)}"
+    if "attention_mask" not in parameters(fn):
+        return f"expected an 'attention_mask' parameter, found {parameters(fn)}"
     return None
 
 
@@ -224,20 +199,18 @@ def build_forward_guard(family: str) -> Callable[[Any], Any]:
     """Builder of a model ``forward`` of a family whose masks never pass through masking_utils
     (Mamba, RWKV, models with their own masks).
 
-    While the family has a refused capability (see :mod:`model_patches.capabilities`), it refuses
+    While the family has a refused capability (see :mod:`model_patches.packing.coverage`), it refuses
     an indexed mask and packed ``position_ids``. Once every capability is made correct (Mamba's
     mixers run per document), indexed masks pass, and only packed ``position_ids`` that the mask
     does not separate are refused: those mixers read documents from the mask alone.
     """
 
     def build(original: Callable) -> Callable:
-        params = _params(original)
-        index = params.index("attention_mask")
-        positions_index = params.index("position_ids") if "position_ids" in params else len(params)
+        params = parameters(original)
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            mask = _arg(args, kwargs, ("attention_mask",), index)
+            mask = argument(args, kwargs, params, "attention_mask")
             config = getattr(args[0], "config", None) if args else None
             refused = [c for c in capabilities_for_config(config) if c.handling == "refused" and not c.covers(config)]
             if config is None or refused:
@@ -256,7 +229,7 @@ def build_forward_guard(family: str) -> Callable[[Any], Any]:
                     "document). Fix: pass the indexed mask of the packed batch (PackingCollator "
                     "returns it) instead of position-id packing"
                 )
-            restart = position_restarts(_arg(args, kwargs, ("position_ids",), positions_index), mask)
+            restart = position_restarts(argument(args, kwargs, params, "position_ids"), mask)
             if restart is not None:  # position-id packing: the family ignores or misreads them
                 refuse_if(restart, message)
             return original(*args, **kwargs)
@@ -277,20 +250,14 @@ def _calling_module(frame: Any) -> str:
     return "?"
 
 
-def guard_probe(fn: Any) -> Optional[str]:
-    """The mask preprocessor must take (config, inputs_embeds, attention_mask, ...)."""
-    params = _params(fn)
-    if len(params) < 3 or params[2] != "attention_mask":
-        return f"expected 'attention_mask' as third parameter, found {params[:4]}"
-    return None
-
-
 def build_guard(original: Callable) -> Callable:
     """``_preprocess_mask_arguments`` that refuses an indexed mask instead of casting it to bool."""
 
+    params = parameters(original)
+
     @functools.wraps(original)
     def preprocess(*args: Any, **kwargs: Any) -> Any:
-        mask = _arg(args, kwargs, ("attention_mask",), 2)
+        mask = argument(args, kwargs, params, "attention_mask")
         if reads_as_document_ids(mask):
             where = "masking_utils"
             if not torch.compiler.is_compiling():

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import functional_ce
 
-from .registry import PatchHandle, PatchRecord, StatusRow, apply_records, record_status
+from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
 
@@ -112,6 +112,7 @@ LOSS_RECORDS: tuple[PatchRecord, ...] = (
         build=_build_loss_mapping,
         epoch="4.50+",
         doc="ForCausalLMLoss with shift_labels (added in 4.50); older releases slice the logits instead.",
+        table="loss",
     ),
 )
 
@@ -123,9 +124,9 @@ def enable_chunked_loss(*, strict: bool = True) -> PatchHandle:
     own ``loss_function`` attribute set, or a custom ``loss_type`` outside the mapping's
     ``ForCausalLMLoss`` entries, is not affected.
     """
-    return apply_records(LOSS_RECORDS, strict=strict)
+    return apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
 
 
-def chunked_loss_status() -> list[StatusRow]:
+def chunked_loss_status() -> StatusTable:
     """One row per loss record: applied / available / skipped / failed, and why."""
     return record_status(LOSS_RECORDS)

@@ -241,8 +241,12 @@ def _loss_from_decoder(
 
 
 class HiddenStateLossHandle:
-    """Undo handle of :func:`enable_hidden_state_loss`; also a context manager. Removing twice
-    is a no-op."""
+    """Undo handle of :func:`enable_hidden_state_loss`; also a context manager.
+
+    Removing twice is a no-op. If the model's ``forward`` was replaced after the patch (a
+    trainer or another library wrapping it), ``remove()`` raises ``ValueError`` and changes
+    nothing: putting the original back would delete that later code. Remove it first.
+    """
 
     def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any) -> None:
         self._model, self._had_own, self._own, self._replacement = model, had_own_forward, own_forward, replacement
@@ -250,15 +254,19 @@ class HiddenStateLossHandle:
 
     @property
     def active(self) -> bool:
+        """True until :meth:`remove` succeeds."""
         return not self._removed
 
     def remove(self) -> None:
         if self._removed:
             return
-        self._removed = True
         if self._model.__dict__.get("forward") is not self._replacement:
-            logger.warning("enable_hidden_state_loss: %s.forward was replaced again by someone else; "
-                           "restoring the original anyway", type(self._model).__name__)
+            raise ValueError(
+                f"cannot remove {self!r}: {type(self._model).__name__}.forward was replaced by other code "
+                "after enable_hidden_state_loss patched it; restoring the original would delete that code. "
+                "Remove the later patch first, then call handle.remove()"
+            )
+        self._removed = True
         if self._had_own:
             self._model.forward = self._own
         else:
@@ -269,6 +277,10 @@ class HiddenStateLossHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"<HiddenStateLossHandle {type(self._model).__name__}: forward, {state}>"
 
 
 def enable_hidden_state_loss(

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .guards import _params
+from ..calls import parameters
 from .masks import document_ids, document_positions, reads_as_document_ids
 
 __all__ = ["ALIBI_NAME", "alibi_probe", "build_alibi"]
@@ -37,7 +37,7 @@ ALIBI_NAME = "build_alibi_tensor"
 def alibi_probe(fn: Any) -> Optional[str]:
     """``build_alibi_tensor(attention_mask, num_heads, dtype)`` -> ``[B * H, 1, L]``, linear in position."""
     try:
-        params = _params(fn)
+        params = parameters(fn)
     except (TypeError, ValueError) as exc:
         return f"cannot read its signature ({exc})"
     if params[:3] != ["attention_mask", "num_heads", "dtype"]:

@@ -15,8 +15,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from .collator import PackingCollator
-from .testing import cpu_flash_attention, use_attention
+from ..packing.collator import PackingCollator
+from .flash_double import cpu_flash_attention, use_attention
+from .tiny_models import tiny_causal_lm
 
 __all__ = ["FAMILIES_UNDER_TEST", "BACKENDS", "tiny_model", "packed_batch", "documents", "logits_gap", "grad_gap", "backend"]
 
@@ -48,13 +49,8 @@ _LENGTHS = (7, 6, 5, 4, 3, 3, 2)
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """Random-init fp32 causal LM of ``family`` (a key of :data:`FAMILIES_UNDER_TEST`), eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_type, extra = FAMILIES_UNDER_TEST[family]
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    return model.eval()
+    return tiny_causal_lm(model_type, "eager", seed, sizes=_COMMON, family_sizes={}, **extra)
 
 
 def packed_batch(seed: int = 0, max_length: int = 12, lengths: tuple[int, ...] = _LENGTHS) -> dict[str, torch.Tensor]:

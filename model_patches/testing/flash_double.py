@@ -72,12 +72,16 @@ def _attend(
     return out.transpose(0, 1)
 
 
-def _no_dropout(dropout_p: float) -> None:
+def _flash_options(dropout_p: float, alibi_slopes: Any, window_size: Any, softcap: float) -> tuple[tuple[int, int], float]:
+    """Check what the double does not implement; return (window, softcap) in flash's convention."""
     if dropout_p:
         raise ValueError(
             f"the CPU flash-attention test double does not implement dropout, got dropout_p={dropout_p}; "
             "set the model's attention_dropout to 0.0 for tests"
         )
+    if alibi_slopes is not None:
+        raise ValueError("the CPU flash-attention test double does not implement alibi_slopes")
+    return tuple(window_size), softcap
 
 
 def sdpa_flash_attn_varlen_func(
@@ -94,43 +98,31 @@ def sdpa_flash_attn_varlen_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Any = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
+    **_: Any,
 ) -> torch.Tensor:
-    """``flash_attn_varlen_func`` on CPU: q ``[total_q, H, D]``, k/v ``[total_k, Hk, D]`` -> ``[total_q, H, D]``."""
-    _no_dropout(dropout_p)
-    if alibi_slopes is not None:
-        raise ValueError("the CPU flash-attention test double does not implement alibi_slopes")
+    """``flash_attn_varlen_func`` on CPU: q ``[total_q, H, D]``, k/v ``[total_k, Hk, D]`` -> ``[total_q, H, D]``.
+
+    ``deterministic`` and ``return_attn_probs`` are accepted and ignored (as the kernel's
+    deterministic mode changes no value here)."""
+    window, cap = _flash_options(dropout_p, alibi_slopes, window_size, softcap)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k differ in length: {len(cq)} vs {len(ck)}")
     out = torch.empty_like(q)
     for s in range(len(cq) - 1):
         out[cq[s] : cq[s + 1]] = _attend(
-            q[cq[s] : cq[s + 1]], k[ck[s] : ck[s + 1]], v[ck[s] : ck[s + 1]],
-            causal, softmax_scale, tuple(window_size), softcap,
+            q[cq[s] : cq[s + 1]], k[ck[s] : ck[s + 1]], v[ck[s] : ck[s + 1]], causal, softmax_scale, window, cap
         )
     return out
 
 
-def sdpa_flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Any = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-) -> torch.Tensor:
+def sdpa_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                         softmax_scale: Optional[float] = None, causal: bool = False,
+                         window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+                         **_: Any) -> torch.Tensor:
     """``flash_attn_func`` on CPU: q ``[B, Tq, H, D]``, k/v ``[B, Tk, Hk, D]`` -> ``[B, Tq, H, D]``."""
-    _no_dropout(dropout_p)
-    return torch.stack(
-        [_attend(q[b], k[b], v[b], causal, softmax_scale, tuple(window_size), softcap) for b in range(q.shape[0])]
-    )
+    window, cap = _flash_options(dropout_p, alibi_slopes, window_size, softcap)
+    return torch.stack([_attend(q[b], k[b], v[b], causal, softmax_scale, window, cap) for b in range(q.shape[0])])
 
 
 @contextlib.contextmanager

@@ -26,8 +26,8 @@ Handling:
 
 A refused capability can be *made correct* family by family: ``made_correct`` maps a family to
 the patch targets (``"module:attr"``) whose packing records make that capability
-document-aware there (ALiBi from per-document positions, :mod:`model_patches.alibi`; mixers run
-per document, :mod:`model_patches.document_mixers`). The family is accepted while every one of
+document-aware there (ALiBi from per-document positions, :mod:`model_patches.packing.alibi`; mixers run
+per document, :mod:`model_patches.packing.document_mixers`). The family is accepted while every one of
 its targets is patched by a live handle, and refused otherwise (say the release lacks a target
 or a probe failed), so a record that did not apply never leaves a silent leak.
 """
@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .registry import is_applied
+from ..registry import is_applied
 
 __all__ = [
     "Capability",

@@ -1,0 +1,101 @@
+"""Call introspection shared by every patch: parameters, arguments, liveness, imported modules.
+
+A replacement must read and replace the arguments of a call however the caller passed them
+(by position or by keyword, under an old or a new name), and decide from signatures whether a
+target still has the shape it was written for. Everything of that kind lives here:
+
+- :func:`parameters` of a function; :func:`argument` reads one argument of a call by name
+  (aliases allowed: ``"cache"`` was ``"past_key_values"`` before Transformers 5.24);
+  :func:`with_arguments` returns the call with some arguments replaced.
+- :func:`mask_arguments_probe`: the one signature probe of Transformers' mask functions, which
+  all start ``(config, inputs_embeds, attention_mask, ...)``.
+- :func:`is_live`: whether a wrapper is still what its target holds (a module that imported a
+  wrapper while a patch was on must fall back to the original once it is removed).
+- :func:`model_modules`: the Transformers model modules imported in this process
+  (``transformers.models.<family>.modeling_<family>``), optionally only those holding a name.
+- :func:`unwrapped`: the object a wrapper of this package replaced (``_packing_original``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = [
+    "parameters",
+    "argument",
+    "with_arguments",
+    "mask_arguments_probe",
+    "is_live",
+    "model_modules",
+    "unwrapped",
+]
+
+#: The first three parameters of every Transformers mask function (4.53+; ``input_embeds`` in some).
+MASK_PARAMETERS = (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"])
+
+
+def parameters(fn: Any) -> list[str]:
+    """The parameter names of ``fn`` in order (``self`` included for a plain function)."""
+    return list(inspect.signature(fn).parameters)
+
+
+def argument(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str], *names: str) -> Any:
+    """The argument passed for the first of ``names`` (aliases of one parameter), else None.
+
+    A keyword under any alias wins; otherwise the positional argument at the parameter's index
+    (the first alias found in ``params``).
+    """
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    for name in names:
+        if name in params:
+            index = params.index(name)
+            return args[index] if index < len(args) else None
+    return None
+
+
+def with_arguments(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str],
+                   **values: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` with each ``name=value`` put where the caller passed that parameter
+    (its position when given positionally, else as a keyword); the inputs are not changed."""
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for name, value in values.items():
+        index = params.index(name) if name in params else len(new_args)
+        if name not in new_kwargs and index < len(new_args):
+            new_args[index] = value
+        else:
+            new_kwargs[name] = value
+    return tuple(new_args), new_kwargs
+
+
+def mask_arguments_probe(fn: Any) -> Optional[str]:
+    """Probe: ``fn`` takes ``(config, inputs_embeds, attention_mask, ...)`` (None), else why not."""
+    params = parameters(fn)
+    if params[:3] not in MASK_PARAMETERS:
+        return f"expected parameters (config, inputs_embeds, attention_mask, ...), found {params[:3]}"
+    return None
+
+
+def is_live(target: str, wrapper: Callable) -> bool:
+    """Whether ``target`` (``"module:attribute"``) holds ``wrapper`` now."""
+    module_name, _, attr = target.partition(":")
+    module = sys.modules.get(module_name)
+    return module is not None and getattr(module, attr, None) is wrapper
+
+
+def unwrapped(value: Any) -> Any:
+    """The original behind a wrapper of this package, else ``value`` itself."""
+    return getattr(value, "_packing_original", value)
+
+
+def model_modules(holding: Optional[Callable[[dict[str, Any]], bool]] = None) -> list[str]:
+    """Sorted names of the imported ``transformers.models.*.modeling_*`` modules (whose namespace
+    satisfies ``holding``, when given)."""
+    return sorted(
+        name for name, module in list(sys.modules.items())
+        if name.startswith("transformers.models.") and ".modeling_" in name and module is not None
+        and (holding is None or holding(getattr(module, "__dict__", {})))
+    )

@@ -1,0 +1,6 @@
+"""The causal-LM loss path on functional_ce: with logits (chunked, no fp32 copy) or without.
+
+- :mod:`.chunked_loss`: ``enable_chunked_loss`` routes Transformers' ``ForCausalLMLoss``.
+- :mod:`.hidden_state_loss`: ``causal_lm_loss`` and ``enable_hidden_state_loss`` (no logits).
+- :mod:`.token_losses`: ``causal_lm_token_logprobs`` and ``causal_lm_distillation_loss``.
+"""
