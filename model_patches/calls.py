@@ -7,8 +7,9 @@ target still has the shape it was written for. Everything of that kind lives her
 - :func:`parameters` of a function; :func:`argument` reads one argument of a call by name
   (aliases allowed: ``"cache"`` was ``"past_key_values"`` before Transformers 5.24);
   :func:`with_arguments` returns the call with some arguments replaced.
-- :func:`mask_arguments_probe`: the one signature probe of Transformers' mask functions, which
-  all start ``(config, inputs_embeds, attention_mask, ...)``.
+- :func:`parameters_probe`: the signature probe of every record (first parameters, required
+  ones); :func:`mask_arguments_probe` for Transformers' mask functions, which all start
+  ``(config, inputs_embeds, attention_mask, ...)`` (``input_embeds`` in some).
 - :func:`is_live`: whether a wrapper is still what its target holds (a module that imported a
   wrapper while a patch was on must fall back to the original once it is removed).
 - :func:`model_modules`: the Transformers model modules imported in this process
@@ -25,7 +26,9 @@ from typing import Any, Callable, Optional, Sequence
 __all__ = [
     "parameters",
     "argument",
+    "mask_arguments",
     "with_arguments",
+    "parameters_probe",
     "mask_arguments_probe",
     "is_live",
     "model_modules",
@@ -57,6 +60,15 @@ def argument(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str],
     return None
 
 
+def mask_arguments(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str]) -> tuple[Any, Any, Any]:
+    """``(attention_mask, config, inputs_embeds)`` of a call to a Transformers mask function."""
+    return (
+        argument(args, kwargs, params, "attention_mask"),
+        argument(args, kwargs, params, "config"),
+        argument(args, kwargs, params, "inputs_embeds", "input_embeds"),
+    )
+
+
 def with_arguments(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str],
                    **values: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` with each ``name=value`` put where the caller passed that parameter
@@ -69,6 +81,21 @@ def with_arguments(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence
         else:
             new_kwargs[name] = value
     return tuple(new_args), new_kwargs
+
+
+def parameters_probe(fn: Any, first: Sequence[str] = (), required: Sequence[str] = ()) -> Optional[str]:
+    """Probe: ``fn``'s parameters start with ``first`` and include every name of ``required``
+    (None), else why not (a signature that cannot be read is a reason too)."""
+    try:
+        params = parameters(fn)
+    except (TypeError, ValueError) as exc:
+        return f"cannot read its signature ({exc})"
+    if params[: len(first)] != list(first):
+        return f"expected parameters ({', '.join(first)}, ...), found {params}"
+    missing = [name for name in required if name not in params]
+    if missing:
+        return f"no {' / '.join(repr(m) for m in missing)} parameter (found {params})"
+    return None
 
 
 def mask_arguments_probe(fn: Any) -> Optional[str]:

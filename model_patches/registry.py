@@ -36,6 +36,7 @@ from packaging.version import Version
 
 __all__ = [
     "PatchRecord",
+    "Handle",
     "PatchHandle",
     "PatchError",
     "StatusRow",
@@ -201,7 +202,43 @@ def _warn_if_newer(records: Sequence[PatchRecord], version: str) -> None:
                 warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-class PatchHandle:
+class Handle:
+    """What every patch of this package returns: ``remove()``, a read-only ``active``, a ``repr``,
+    and ``with`` support. Removing twice is a no-op; a removal that would delete code patched on
+    top of this handle's raises ``ValueError`` and changes nothing (subclasses check in ``_undo``
+    before they change anything)."""
+
+    _removed = False
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`remove` succeeds."""
+        return not self._removed
+
+    def remove(self) -> None:
+        """Undo what this handle did (see the class docstring)."""
+        if self._removed:
+            return
+        self._undo()
+        self._removed = True
+
+    def _undo(self) -> None:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Handle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._describe()}, {'removed' if self._removed else 'active'}>"
+
+
+class PatchHandle(Handle):
     """Undo handle of :func:`apply_records`; also a context manager.
 
     ``remove()`` releases this handle's references; a target gets its original back when the
@@ -216,48 +253,34 @@ class PatchHandle:
         self._targets = list(targets)
         self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
         self._what = what
-        self._removed = False
-
-    @property
-    def active(self) -> bool:
-        """True until :meth:`remove` succeeds."""
-        return not self._removed
 
     def remove(self) -> None:
         with _LOCK:
-            if self._removed:
-                return
-            releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
-            replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
-            if replaced:
-                raise ValueError(
-                    f"cannot remove {self!r}: {', '.join(replaced)} was replaced by other code after this "
-                    "handle patched it, and that code still calls this handle's replacement; restoring the "
-                    "original would delete it. Remove the later patch first, then call handle.remove()"
-                )
-            self._removed = True
-            for target in reversed(self._targets):
-                entry = _ACTIVE.get(target)
-                if entry is None:
-                    continue
-                entry[5] -= 1
-                if entry[5] > 0:
-                    continue
-                del _ACTIVE[target]
-                record, owner, attr, original, _, _ = entry
-                setattr(owner, attr, original)
-                logger.info("restored %s (%s)", target, record.name)
+            super().remove()
 
-    def __enter__(self) -> "PatchHandle":
-        return self
+    def _undo(self) -> None:
+        releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
+        replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
+        if replaced:
+            raise ValueError(
+                f"cannot remove {self!r}: {', '.join(replaced)} was replaced by other code after this "
+                "handle patched it, and that code still calls this handle's replacement; restoring the "
+                "original would delete it. Remove the later patch first, then call handle.remove()"
+            )
+        for target in reversed(self._targets):
+            entry = _ACTIVE.get(target)
+            if entry is None:
+                continue
+            entry[5] -= 1
+            if entry[5] > 0:
+                continue
+            del _ACTIVE[target]
+            record, owner, attr, original, _, _ = entry
+            setattr(owner, attr, original)
+            logger.info("restored %s (%s)", target, record.name)
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "removed" if self._removed else "active"
-        what = f"{self._what}: " if self._what else ""
-        return f"<PatchHandle {what}{len(self._targets)} patches, {state}>"
+    def _describe(self) -> str:
+        return f"{self._what + ': ' if self._what else ''}{len(self._targets)} patches"
 
 
 def apply_records(

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 import functional_ce
 from functional_ce.spec import ChunkSize
 
+from ..registry import Handle
+
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 
 logger = logging.getLogger(__name__)
@@ -240,7 +242,7 @@ def _loss_from_decoder(
     return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
 
 
-class HiddenStateLossHandle:
+class HiddenStateLossHandle(Handle):
     """Undo handle of :func:`enable_hidden_state_loss`; also a context manager.
 
     Removing twice is a no-op. If the model's ``forward`` was replaced after the patch (a
@@ -250,37 +252,21 @@ class HiddenStateLossHandle:
 
     def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any) -> None:
         self._model, self._had_own, self._own, self._replacement = model, had_own_forward, own_forward, replacement
-        self._removed = False
 
-    @property
-    def active(self) -> bool:
-        """True until :meth:`remove` succeeds."""
-        return not self._removed
-
-    def remove(self) -> None:
-        if self._removed:
-            return
+    def _undo(self) -> None:
         if self._model.__dict__.get("forward") is not self._replacement:
             raise ValueError(
                 f"cannot remove {self!r}: {type(self._model).__name__}.forward was replaced by other code "
                 "after enable_hidden_state_loss patched it; restoring the original would delete that code. "
                 "Remove the later patch first, then call handle.remove()"
             )
-        self._removed = True
         if self._had_own:
             self._model.forward = self._own
         else:
             self._model.__dict__.pop("forward", None)
 
-    def __enter__(self) -> "HiddenStateLossHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "removed" if self._removed else "active"
-        return f"<HiddenStateLossHandle {type(self._model).__name__}: forward, {state}>"
+    def _describe(self) -> str:
+        return f"{type(self._model).__name__}.forward"
 
 
 def enable_hidden_state_loss(

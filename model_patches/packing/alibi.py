@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..calls import parameters
+from ..calls import parameters_probe
 from .masks import document_ids, document_positions, reads_as_document_ids
 
 __all__ = ["ALIBI_NAME", "alibi_probe", "build_alibi"]
@@ -36,12 +36,9 @@ ALIBI_NAME = "build_alibi_tensor"
 
 def alibi_probe(fn: Any) -> Optional[str]:
     """``build_alibi_tensor(attention_mask, num_heads, dtype)`` -> ``[B * H, 1, L]``, linear in position."""
-    try:
-        params = parameters(fn)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read its signature ({exc})"
-    if params[:3] != ["attention_mask", "num_heads", "dtype"]:
-        return f"expected parameters (attention_mask, num_heads, dtype), found {params}"
+    shape = parameters_probe(fn, first=("attention_mask", "num_heads", "dtype"))
+    if shape:
+        return shape
     try:
         out = fn(torch.ones(2, 3, dtype=torch.long), 2, torch.float32)
     except Exception as exc:  # noqa: BLE001 - report any failure as a probe failure

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from ..calls import argument, parameters, with_arguments
+from ..calls import argument, parameters, parameters_probe, with_arguments
 from .masks import reads_as_document_ids
 
 __all__ = ["AUX_LOSS_NAME", "aux_loss_probe", "build_aux_loss"]
@@ -24,13 +24,7 @@ AUX_LOSS_NAME = "load_balancing_loss_func"
 
 def aux_loss_probe(fn: Any) -> Optional[str]:
     """The function must take ``attention_mask`` (by name or as its fourth parameter)."""
-    try:
-        params = parameters(fn)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read its signature ({exc})"
-    if "attention_mask" not in params:
-        return f"expected an 'attention_mask' parameter, found {params}"
-    return None
+    return parameters_probe(fn, required=("attention_mask",))
 
 
 def build_aux_loss(original: Callable) -> Callable:

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..calls import argument, parameters, with_arguments
+from ..calls import argument, parameters, parameters_probe, with_arguments
 from .masks import document_ids, reads_as_document_ids
 
 __all__ = ["mixer_probe", "build_mixer", "SegmentLayout", "segment_layout", "document_ids_from_cu_seqlens"]
@@ -55,16 +55,11 @@ _STATELESS = "_packing_stateless_layers"
 
 def mixer_probe(fn: Any) -> Optional[str]:
     """A mixer ``forward(self, hidden_states, ..., attention_mask, ...)`` with a cache parameter."""
-    try:
-        params = parameters(fn)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read its signature ({exc})"
-    if params[:2] != ["self", "hidden_states"]:
-        return f"expected (self, hidden_states, ...), found {params}"
-    if "attention_mask" not in params:
-        return f"no 'attention_mask' parameter (found {params})"
-    if not any(name in params for name in _CACHE_NAMES):
-        return f"no cache parameter ({' / '.join(_CACHE_NAMES)}; found {params})"
+    shape = parameters_probe(fn, first=("self", "hidden_states"), required=("attention_mask",))
+    if shape:
+        return shape
+    if not any(name in parameters(fn) for name in _CACHE_NAMES):
+        return f"no cache parameter ({' / '.join(_CACHE_NAMES)}; found {parameters(fn)})"
     return None
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..calls import argument, is_live, parameters
+from ..calls import argument, is_live, mask_arguments, parameters, parameters_probe
 from .coverage import capabilities_for_config
 from .masks import document_ids, document_positions, reads_as_document_ids, split_at_position_resets
 
@@ -141,9 +141,7 @@ def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
         def recurrent_mask(*args: Any, **kwargs: Any) -> Any:
             if not is_live(target, recurrent_mask):
                 return original(*args, **kwargs)
-            mask = argument(args, kwargs, params, "attention_mask")
-            config = argument(args, kwargs, params, "config")
-            embeds = argument(args, kwargs, params, "inputs_embeds", "input_embeds")
+            mask, config, embeds = mask_arguments(args, kwargs, params)
             mixers = [c for c in capabilities_for_config(config) if c.handling == "refused"]
             if not mixers or any(not c.covers(config) for c in mixers):
                 if reads_as_document_ids(mask):
@@ -190,9 +188,7 @@ def build_recurrent_mask(target: str) -> Callable[[Any], Any]:
 
 def forward_probe(fn: Any) -> Optional[str]:
     """A model ``forward`` guarded by :func:`build_forward_guard` must take ``attention_mask``."""
-    if "attention_mask" not in parameters(fn):
-        return f"expected an 'attention_mask' parameter, found {parameters(fn)}"
-    return None
+    return parameters_probe(fn, required=("attention_mask",))
 
 
 def build_forward_guard(family: str) -> Callable[[Any], Any]:
@@ -257,7 +253,7 @@ def build_guard(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def preprocess(*args: Any, **kwargs: Any) -> Any:
-        mask = argument(args, kwargs, params, "attention_mask")
+        mask = mask_arguments(args, kwargs, params)[0]
         if reads_as_document_ids(mask):
             where = "masking_utils"
             if not torch.compiler.is_compiling():

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..calls import argument, is_live, mask_arguments_probe, parameters, unwrapped, with_arguments
+from ..calls import argument, is_live, mask_arguments, mask_arguments_probe, parameters, unwrapped, with_arguments
 from .coverage import capabilities_for_config
 from .guards import check_positions, refuse_packed_input
 from .masks import (
@@ -103,12 +103,10 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
         def packed_mask(*args: Any, **kwargs: Any) -> Any:
             if not is_live(target, packed_mask):
                 return original(*args, **kwargs)
-            mask = argument(args, kwargs, params, "attention_mask")
-            config = argument(args, kwargs, params, "config")
+            mask, config, embeds = mask_arguments(args, kwargs, params)
             positions = argument(args, kwargs, params, "position_ids") if has_positions else None
             positions = positions if isinstance(positions, torch.Tensor) and positions.ndim == 2 else None
             cache = argument(args, kwargs, params, cache_arg, "past_key_values", "cache")
-            embeds = argument(args, kwargs, params, "inputs_embeds", "input_embeds")
             caps = capabilities_for_config(config)
             refused = [c for c in caps if c.handling == "refused" and not c.covers(config)]
             if refused:
