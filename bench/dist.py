@@ -43,6 +43,7 @@ import torch
 from .dist_worker import MARK
 from .measure import Measurement
 from .modes import override, pick, sweeps
+from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -397,6 +398,13 @@ def _rows(results: dict[int, dict[str, Measurement]], baseline: str, n: int) -> 
     return rows
 
 
+#: (measurement key, axis label, scale, file suffix) of the sweep's plots, per rank.
+SWEEP_METRICS = (
+    ("peak_extra_bytes", "peak extra memory per rank (MiB)", 1 / 2**20, "memory"),
+    ("forward_bytes", "forward bytes to collectives per rank (MiB)", 1 / 2**20, "forward_bytes"),
+    ("backward_bytes", "backward bytes to collectives per rank (MiB)", 1 / 2**20, "backward_bytes"),
+    ("seconds", "forward+backward time (ms)", 1e3, "time"),
+)
 COLUMNS = ["ranks", "variant", "time (ms)", "peak extra/rank (MiB)", "x baseline", "fwd bytes/token/rank",
            "bwd MiB/rank", "status"]
 
@@ -499,23 +507,11 @@ def _flat(m: Measurement) -> dict[str, Any]:
 def plot(section: Section, out_dir: Path) -> list[Path]:
     """Per-rank peak memory, communicated bytes (forward, backward) and time against N, at 2
     processes, one line per variant, for each form."""
-    from .plots import lines_vs_n
-
-    metrics = (
-        ("peak_extra_bytes", "peak extra memory per rank (MiB)", 1 / 2**20, "memory"),
-        ("forward_bytes", "forward bytes to collectives per rank (MiB)", 1 / 2**20, "forward_bytes"),
-        ("backward_bytes", "backward bytes to collectives per rank (MiB)", 1 / 2**20, "backward_bytes"),
-        ("seconds", "forward+backward time (ms)", 1e3, "time"),
-    )
     paths = []
     for form, what in (("logits", "CE from logits"), ("hidden", "hidden-state CE")):
         data = section.data[form]
-        if "sweep" not in data:
-            continue
-        names = "NHV" if form == "hidden" else "NV"
-        dims = ", ".join(f"{k}={x}" for k, x in zip(names, data["shape"]) if k != "N")
-        paths += lines_vs_n(data["sweep"]["by_n"], out_dir, stem=f"dist_{form}", metrics=metrics,
-                            title=f"vocabulary-parallel {what}, {dims}, {data['sweep']['world']} ranks, "
-                                  f"{data['dtype']}")
+        sweep = data.get("sweep") or {}
+        sizes = {k: x for k, x in zip("NHV" if form == "hidden" else "NV", data["shape"]) if k != "N"}
+        paths += sweep_plots(sweep.get("by_n"), out_dir, stem=f"dist_{form}", what=f"vocabulary-parallel {what}",
+                             sizes=sizes, details=[f"{sweep.get('world')} ranks", data["dtype"]], metrics=SWEEP_METRICS)
     return paths
-

@@ -58,6 +58,7 @@ from packaging.version import Version
 
 from .measure import Measurement, measure
 from .modes import is_full, sweeps
+from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -414,14 +415,10 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
 
 def plot(section: Section, out_dir: Path) -> list[Path]:
     """Time and peak memory against N, one line per variant, log axes: two PNGs per problem."""
-    from .plots import lines_vs_n
-
     paths: list[Path] = []
     for key, entry in section.data.get("problems", {}).items():
         problem = PROBLEMS[key]
-        if not entry.get("sweep"):
-            continue
-        shape = f"H={entry['h']}, V={entry['v']}" if problem.hidden else f"V={entry['v']}"
-        paths += lines_vs_n(entry["sweep"], out_dir, stem=problem.stem,
-                            title=f"{problem.title}, {shape}, {section.data['dtype']}")
+        sizes = {"H": entry["h"], "V": entry["v"]} if problem.hidden else {"V": entry["v"]}
+        paths += sweep_plots(entry.get("sweep"), out_dir, stem=problem.stem, what=problem.title, sizes=sizes,
+                             details=[section.data["dtype"]])
     return paths
