@@ -16,9 +16,8 @@ side in one run):
   - ``functional_ce.linear_cross_entropy``, the default (gradients computed in forward) and with
     ``recompute_logits_in_backward=True``.
 
-Table 2, the Hugging Face loss path on a tiny random-init Llama (bf16, large vocabulary so the
-logits dominate): ``model(**batch, labels=...)`` forward + backward as shipped, with
-``model_patches.enable_chunked_loss()``, and ``model_patches.causal_lm_loss(model, **batch)``.
+Table 2, the Hugging Face loss path (:mod:`bench.ce_hidden_hf`): a tiny Llama's loss step as
+shipped, with ``model_patches.enable_chunked_loss()``, and with ``model_patches.causal_lm_loss``.
 
 Shapes: the quick run measures table 1 at N=1024, H=512, V=16384, 3 steps per variant; ``--full``
 at the targets of bench/RESULTS.md (time N=4096, H=1024, V=32768; memory N=8192, H=2048,
@@ -38,7 +37,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from .measure import Measurement, measure
+from .ce_hidden_hf import HF_VARIANTS, measure_hf_table
 from .modes import override, per_shape, pick, shape_list, sweeps
+from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -151,47 +152,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] 
 }
 
 
-# --- Hugging Face loss path -------------------------------------------------------------------
-
-def _tiny_llama(v: int, device: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=v, max_position_embeddings=4096,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).train()
-
-
-def setup_hf(*, b: int, t: int, v: int, mode: str, device: str, **_: Any) -> Callable[[], None]:
-    import model_patches
-
-    model = _tiny_llama(v, device)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, v, (b, t), generator=g).to(device)
-    batch = {"input_ids": ids, "labels": ids, "use_cache": False}
-    if mode == "record":
-        model_patches.enable_chunked_loss()  # for the life of this child process
-
-    def step() -> None:
-        if mode == "hidden":
-            loss = model_patches.causal_lm_loss(model, **batch)
-        else:
-            loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return step
-
-
-HF_VARIANTS = {
-    "model(**batch, labels) as shipped": "plain",
-    "with enable_chunked_loss()": "record",
-    "causal_lm_loss(model, **batch)": "hidden",
-}
-
-
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lce-shape", help="N,H,V of hidden [N, H] and weight [V, H], several separated by ';' "
                                            f"(default {QUICK_SHAPES[0]}; --full: {';'.join(FULL_SHAPES)})")
@@ -282,37 +242,6 @@ def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[T
     return table, {"shape": [n, h, v], "results": {k: vars(m) for k, m in results.items()}}
 
 
-def _hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
-    b, t, v = (int(x) for x in args.lce_hf.split(","))
-    results = {}
-    for name, mode in HF_VARIANTS.items():
-        tick(f"lce hf {mode}")
-        results[name] = measure("bench.ce_hidden:setup_hf", {"b": b, "t": t, "v": v, "mode": mode},
-                                device=args.device, repeats=args.lce_repeats)
-    base = results["model(**batch, labels) as shipped"]
-    fp32_copy_mib = b * t * v * 4 / 2**20
-    rows = []
-    for name, m in results.items():
-        drop = None if m.peak_extra_bytes is None or base.peak_extra_bytes is None else \
-            (base.peak_extra_bytes - m.peak_extra_bytes) / 2**20
-        rows.append([name, m.ms, ratio(m.seconds, base.seconds), m.peak_mib, drop,
-                     None if drop is None else drop / fp32_copy_mib, m.error or "ok"])
-    table = Table(
-        title=f"Hugging Face loss step, tiny Llama (H=64, 2 layers) bf16, batch {b}x{t}, V={v}, on {args.device}",
-        columns=["variant", "time (ms)", "x shipped", "peak extra (MiB)", "drop (MiB)", "drop / fp32 logits",
-                 "status"],
-        rows=rows,
-        baseline=f"model(**batch, labels=...).loss.backward() with Transformers' ForCausalLMLoss; "
-                 f"one fp32 copy of the logits is {fp32_copy_mib:.0f} MiB",
-        notes=["loss and gradients of the three variants are asserted equal in tests/test_hf_loss_record.py "
-               "and tests/test_hf_causal_lm_loss.py"],
-        command="python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
-            "--lce-hf", args.lce_hf, "--lce-repeats", str(args.lce_repeats), "--device", args.device]),
-        spread=spreads(results),
-    )
-    return table, {"hf_shape": [b, t, v], "hf_results": {k: vars(m) for k, m in results.items()}}
-
-
 #: Profiler event names that are matrix multiplications (aten ops and oneDNN / cuBLAS kernels).
 _MATMUL_MARKERS = ("mm", "matmul", "linear", "gemm", "brgemm")
 #: GPU kernel names that are matrix multiplications (cuBLAS / cuBLASLt / CUTLASS kernels).
@@ -388,7 +317,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             tables.append(Table(title="Hugging Face loss step", columns=["status"], rows=[["transformers not installed"]],
                                 command="python -m bench --only lce"))
         else:
-            hf_table, hf_data = _hf_table(args, tick)
+            hf_table, hf_data = measure_hf_table(args, tick)
             tables.append(hf_table)
             data.update(hf_data)
     data.update(dtype=args.lce_dtype, device=args.device)
@@ -401,11 +330,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
 
 
 def plot(section: Section, out_dir: Path) -> list[Path]:
-    """Peak memory and time against N, one line per variant, log axes."""
-    sweep = section.data.get("sweep")
-    if not sweep:
-        return []
-    from .plots import lines_vs_n
-
-    return lines_vs_n(sweep["by_n"], out_dir, stem="ce_hidden",
-                      title=f"cross-entropy from hidden states, H={sweep['h']}, V={sweep['v']}, {section.data['dtype']}")
+    """Peak memory and time against N at the first shape's H and V, one line per variant, log axes."""
+    sweep = section.data.get("sweep") or {}
+    return sweep_plots(sweep.get("by_n"), out_dir, stem="ce_hidden", what="cross-entropy from hidden states",
+                       sizes={"H": sweep.get("h"), "V": sweep.get("v")}, details=[section.data["dtype"]])

@@ -23,6 +23,7 @@ import torch
 
 from .measure import Measurement, measure
 from .modes import per_shape, shape_list, sweeps
+from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -180,11 +181,7 @@ def _table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table
 
 
 def plot(section: Section, out_dir: Path) -> list[Path]:
-    """Peak memory and time against N, one line per variant, log axes."""
-    sweep = section.data.get("sweep")
-    if not sweep:
-        return []
-    from .plots import lines_vs_n
-
-    return lines_vs_n(sweep["by_n"], out_dir, stem="ce_logits",
-                      title=f"cross-entropy from logits, V={sweep['v']}, {section.data['dtype']}")
+    """Peak memory and time against N at the first shape's V, one line per variant, log axes."""
+    sweep = section.data.get("sweep") or {}
+    return sweep_plots(sweep.get("by_n"), out_dir, stem="ce_logits", what="cross-entropy from logits",
+                       sizes={"V": sweep.get("v")}, details=[section.data["dtype"]])

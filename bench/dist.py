@@ -1,25 +1,13 @@
 """``dist`` section: the vocabulary-parallel losses over 2 and 4 processes, per rank.
 
-The section spawns the processes itself (gloo on CPU, one process per GPU with nccl on CUDA;
-a world larger than the GPU count is reported as skipped) and reports, per rank (the largest
-over ranks), the step time, the peak extra memory and the bytes handed to collectives in
-forward and in backward.
+The section launches the processes itself (:mod:`bench.dist_launch`) and reports, per rank (the
+largest over ranks), the step time, the peak extra memory and the bytes handed to collectives in
+forward and in backward, one table per measured thing:
 
-Logits form, ``[N, V]`` logits sharded over the vocabulary (``Shard(-1)``):
-  - ``loss_parallel + F.cross_entropy``: torch's ``loss_parallel()`` on ``logits.float()``,
-    the baseline;
-  - ``full_tensor + functional_ce``: gather the logits, then the single-process function;
-  - ``functional_ce``: :func:`functional_ce.cross_entropy` on the DTensor; and ``inplace``.
-Hidden-state form, ``hidden [N, H]`` on every rank and a column-parallel LM head ``[V, H]``:
-  - ``ColwiseParallel lm_head + loss_parallel``: the baseline;
-  - ``functional_ce.linear_cross_entropy`` on the DTensor weight.
-FSDP2, a 2-layer Llama with ``fully_shard`` on each decoder layer and the root, each rank on its
-own batch:
-  - ``model(**batch).loss``: the model's own loss, the baseline;
-  - ``model_patches.causal_lm_loss``: the hidden-state loss inside the root's FSDP2 call.
-Pipeline, 2 stages (GPipe, 4 microbatches), the last stage's ``loss_fn``:
-  - ``F.cross_entropy(logits.float())``: the baseline;
-  - ``functional_ce`` with ``inplace_grad=True`` (and ``return_outputs=False``).
+  - :mod:`bench.dist_vocab_logits`: cross-entropy from logits sharded over the vocabulary;
+  - :mod:`bench.dist_vocab_hidden`: cross-entropy from hidden states and a column-parallel LM head;
+  - :mod:`bench.dist_fsdp_step`: an FSDP2 Llama's training step, its own loss or the library's;
+  - :mod:`bench.dist_pipeline`: a 2-stage pipeline step, the last stage's ``loss_fn``.
 
 The quick run measures the two loss forms on 2 processes at N=1024; ``--full`` the memory targets
 of bench/RESULTS.md (logits [4096, 128256], hidden N=2048, H=512, V=32768) on 2 and 4 processes,
@@ -29,299 +17,20 @@ the FSDP2 and pipeline steps, and the N sweep. The section's flags override eith
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shlex
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from .dist_worker import MARK
+from .dist_fsdp_step import FSDP_BASELINE, FSDP_VARIANTS
+from .dist_launch import launch
+from .dist_pipeline import PIPELINE_BASELINE, PIPELINE_VARIANTS
+from .dist_setup import DTYPES, Variants
+from .dist_vocab_hidden import HIDDEN_BASELINE, HIDDEN_VARIANTS
+from .dist_vocab_logits import LOGITS_BASELINE, LOGITS_VARIANTS
 from .measure import Measurement
 from .modes import override, pick, sweeps
+from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LOGITS_BASELINE = "loss_parallel + F.cross_entropy"
-HIDDEN_BASELINE = "ColwiseParallel lm_head + loss_parallel"
-
-
-# --- setups, run in each rank (see bench.dist_worker) --------------------------------------------
-
-
-def _device(mesh: Any) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-
-
-def _sharded_logits(mesh: Any, n: int, v: int, dtype: str) -> Any:
-    """A leaf DTensor ``[n, v]`` ``Shard(1)``, each rank's shard seeded by its rank (built
-    locally: no rank holds the full logits)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    world, rank = mesh.size(0), mesh.get_local_rank(0)
-    per = -(-v // world)
-    size = max(0, min(v, (rank + 1) * per) - min(v, rank * per))
-    g = torch.Generator().manual_seed(rank)
-    local = (torch.randn(n, size, generator=g) * 2).to(device=_device(mesh), dtype=DTYPES[dtype])
-    return DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=(n, v), stride=(v, 1)).requires_grad_()
-
-
-def _labels(mesh: Any, n: int, v: int) -> torch.Tensor:
-    return torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1234)).to(_device(mesh))
-
-
-def setup_loss_parallel(*, mesh: Any, n: int, v: int, dtype: str, **_: Any) -> tuple[Callable, Callable]:
-    import torch.nn.functional as F
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    logits = _sharded_logits(mesh, n, v, dtype)
-    labels = distribute_tensor(_labels(mesh, n, v), mesh, [Replicate()])
-
-    def forward() -> Any:
-        with loss_parallel():
-            return F.cross_entropy(logits.float(), labels)
-
-    def backward(loss: Any) -> None:
-        with loss_parallel():
-            loss.backward()
-        logits.grad = None
-
-    return forward, backward
-
-
-def _backward_then_clear(*leaves: torch.Tensor) -> Callable[[Any], None]:
-    """``backward(loss)``: backpropagate, then drop the leaves' gradients for the next step."""
-
-    def backward(loss: Any) -> None:
-        loss.backward()
-        for leaf in leaves:
-            leaf.grad = None
-
-    return backward
-
-
-def setup_gather(*, mesh: Any, n: int, v: int, dtype: str, **_: Any) -> tuple[Callable, Callable]:
-    import functional_ce
-
-    logits = _sharded_logits(mesh, n, v, dtype)
-    labels = _labels(mesh, n, v)
-    return (lambda: functional_ce.cross_entropy(logits.full_tensor(), labels)), _backward_then_clear(logits)
-
-
-def setup_ours(*, mesh: Any, n: int, v: int, dtype: str, inplace: bool = False, **_: Any) -> tuple[Callable, Callable]:
-    import functional_ce
-
-    logits = _sharded_logits(mesh, n, v, dtype)
-    labels = _labels(mesh, n, v)
-    # With inplace_grad each step overwrites the logits with their gradient and the next step
-    # reads those values: the work does not depend on them.
-    return (lambda: functional_ce.cross_entropy(logits, labels, inplace_grad=inplace)), _backward_then_clear(logits)
-
-
-def _column_parallel_head(mesh: Any, h: int, v: int, dtype: str) -> torch.nn.Linear:
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    torch.manual_seed(0)
-    head = torch.nn.Linear(h, v, bias=False).to(device=_device(mesh), dtype=DTYPES[dtype])
-    head.weight.data.mul_(2.0)  # logits of standard deviation about 2, as in the logits form
-    return parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-
-
-def _hidden(mesh: Any, n: int, h: int, dtype: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(n, h, generator=g).to(device=_device(mesh), dtype=DTYPES[dtype]).requires_grad_()
-
-
-def setup_colwise_loss_parallel(
-    *, mesh: Any, n: int, h: int, v: int, dtype: str, **_: Any
-) -> tuple[Callable, Callable]:
-    import torch.nn.functional as F
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    head = _column_parallel_head(mesh, h, v, dtype)
-    hidden = _hidden(mesh, n, h, dtype)
-    labels = distribute_tensor(_labels(mesh, n, v), mesh, [Replicate()])
-
-    def forward() -> Any:
-        with loss_parallel():
-            return F.cross_entropy(head(hidden).float(), labels)
-
-    def backward(loss: Any) -> None:
-        with loss_parallel():
-            loss.backward()
-        head.weight.grad = hidden.grad = None
-
-    return forward, backward
-
-
-def setup_ours_hidden(*, mesh: Any, n: int, h: int, v: int, dtype: str, **_: Any) -> tuple[Callable, Callable]:
-    import functional_ce
-    from torch.distributed.tensor import DTensor, Replicate
-
-    head = _column_parallel_head(mesh, h, v, dtype)
-    hidden = DTensor.from_local(_hidden(mesh, n, h, dtype).detach(), mesh, [Replicate()], run_check=False)
-    hidden.requires_grad_()
-    labels = _labels(mesh, n, v)
-    forward = lambda: functional_ce.linear_cross_entropy(hidden, head.weight, labels)  # noqa: E731
-    return forward, _backward_then_clear(head.weight, hidden)
-
-
-def _fsdp_llama(mesh: Any, hidden: int, vocab: int, dtype: str) -> Any:
-    """A 2-layer Llama with random weights, ``fully_shard`` on each decoder layer and the root."""
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "llama", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]).to(_device(mesh)).train()
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def setup_fsdp_model_loss(*, mesh: Any, n: int, h: int, v: int, dtype: str, library: bool = False,
-                          **_: Any) -> tuple[Callable, Callable]:
-    """One training step of an FSDP2 Llama on this rank's ``[n / 512, 512]`` batch: the model's own
-    loss, or ``model_patches.causal_lm_loss`` with ``library``."""
-    from model_patches import causal_lm_loss
-
-    model = _fsdp_llama(mesh, h, v, dtype)
-    g = torch.Generator().manual_seed(100 + mesh.get_local_rank(0))
-    ids = torch.randint(0, v, (max(1, n // 512), min(n, 512)), generator=g).to(_device(mesh))
-    batch = {"input_ids": ids, "labels": ids}
-
-    def forward() -> Any:
-        return causal_lm_loss(model, **batch) if library else model(**batch).loss
-
-    def backward(loss: Any) -> None:
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return forward, backward
-
-
-def setup_pipeline(*, mesh: Any, n: int, h: int, v: int, dtype: str, library: bool = False,
-                   **_: Any) -> tuple[Callable, Callable]:
-    """A 2-stage GPipe step (4 microbatches) of a small LM (embedding and a layer | a layer and
-    the LM head): ``F.cross_entropy(logits.float())`` as the last stage's loss, or with
-    ``library`` ``functional_ce.cross_entropy`` with ``inplace_grad=True`` (``return_outputs=False``).
-    Both sum over the microbatch and divide by the global label count (``scale_grads=False``)."""
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.distributed import pipelining as pp
-
-    import functional_ce
-
-    rank, device = mesh.get_local_rank(0), _device(mesh)
-    torch.manual_seed(0)
-    first = nn.Sequential(nn.Embedding(v, h), nn.Linear(h, h), nn.Tanh())
-    last = nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, v))
-    module = (first if rank == 0 else last).to(device=device, dtype=DTYPES[dtype])
-    stage = pp.PipelineStage(module, rank, 2, device, group=mesh.get_group())
-    seq = min(n, 512)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, v, (max(4, n // seq), seq), generator=g).to(device)
-    count = ids.numel()
-
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if library:
-            return functional_ce.cross_entropy(out, target, reduction="sum", num_label_tokens=count,
-                                               inplace_grad=True)
-        return F.cross_entropy(out.float().flatten(0, 1), target.flatten(), reduction="sum") / count
-
-    schedule = pp.ScheduleGPipe(stage, n_microbatches=4, loss_fn=loss_fn, scale_grads=False)
-
-    def forward() -> None:  # the schedule runs forward and backward in one call
-        schedule.step(*((ids,) if rank == 0 else ()), target=ids if rank == 1 else None, return_outputs=False)
-
-    def backward(_: Any) -> None:
-        module.zero_grad(set_to_none=True)
-
-    return forward, backward
-
-
-LOGITS_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    LOGITS_BASELINE: ("bench.dist:setup_loss_parallel", {}),
-    "full_tensor + functional_ce": ("bench.dist:setup_gather", {}),
-    "functional_ce": ("bench.dist:setup_ours", {}),
-    "functional_ce inplace": ("bench.dist:setup_ours", {"inplace": True}),
-}
-HIDDEN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    HIDDEN_BASELINE: ("bench.dist:setup_colwise_loss_parallel", {}),
-    "functional_ce.linear_cross_entropy": ("bench.dist:setup_ours_hidden", {}),
-}
-PIPELINE_BASELINE = "F.cross_entropy(logits.float())"
-PIPELINE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    PIPELINE_BASELINE: ("bench.dist:setup_pipeline", {}),
-    "functional_ce inplace, return_outputs=False": ("bench.dist:setup_pipeline", {"library": True}),
-}
-FSDP_BASELINE = "model(**batch).loss"
-FSDP_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    FSDP_BASELINE: ("bench.dist:setup_fsdp_model_loss", {}),
-    "model_patches.causal_lm_loss": ("bench.dist:setup_fsdp_model_loss", {"library": True}),
-}
-
-
-# --- launching and reporting, in the bench process -----------------------------------------------
-
-
-def launch(setup: str, kwargs: dict[str, Any], *, world: int, device: str, repeats: int,
-           timeout: float = 900.0) -> Measurement:
-    """Run ``setup`` on ``world`` fresh processes; the largest per-rank figures, with every rank's
-    in ``extra["ranks"]``."""
-    if device.startswith("cuda") and torch.cuda.device_count() < world:
-        return Measurement(error=f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory(prefix="bench-dist-") as tmp:
-        spec = {"setup": setup, "kwargs": kwargs, "device": device, "world_size": world, "warmup": 1,
-                "repeats": repeats, "init_file": os.path.join(tmp, "rendezvous")}
-        env = dict(os.environ)
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # see bench.measure
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                       os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
-        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(world)]
-        procs = [
-            subprocess.Popen([sys.executable, "-m", "bench.dist_worker", json.dumps(spec), str(r)],
-                             stdout=logs[r], stderr=subprocess.STDOUT, text=True, env=env)
-            for r in range(world)
-        ]
-        try:
-            for p in procs:
-                p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            return Measurement(error=f"timed out after {timeout:.0f} s")
-        ranks, failure = [], None
-        for r, log in enumerate(logs):
-            log.seek(0)
-            lines = log.read().splitlines()
-            log.close()
-            found = [json.loads(x[len(MARK):]) for x in lines if x.startswith(MARK)]
-            if found:
-                ranks.append(found[0])
-            elif failure is None:
-                failure = f"rank {r}: " + ((lines[-1:] or [f"exit code {procs[r].returncode}"])[0][:200])
-    if failure:
-        return Measurement(error=failure)
-    peaks = [r["peak_extra_bytes"] for r in ranks]
-    spreads = [r.get("spread") for r in ranks]
-    return Measurement(
-        seconds=max(r["seconds"] for r in ranks),
-        peak_extra_bytes=None if None in peaks else max(peaks),
-        spread=None if None in spreads else max(spreads),
-        extra={"forward_bytes": max(r["forward_bytes"] for r in ranks),
-               "backward_bytes": max(r["backward_bytes"] for r in ranks), "ranks": ranks},
-    )
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -375,7 +84,7 @@ def _command(args: argparse.Namespace) -> str:
     ])
 
 
-def _measure_all(variants: dict[str, tuple[str, dict[str, Any]]], shape: dict[str, Any], world: int,
+def _measure_all(variants: Variants, shape: dict[str, Any], world: int,
                  args: argparse.Namespace, tick: Callable[[str], None]) -> dict[str, Measurement]:
     out = {}
     for name, (setup, extra) in variants.items():
@@ -397,6 +106,13 @@ def _rows(results: dict[int, dict[str, Measurement]], baseline: str, n: int) -> 
     return rows
 
 
+#: (measurement key, axis label, scale, file suffix) of the sweep's plots, per rank.
+SWEEP_METRICS = (
+    ("peak_extra_bytes", "peak extra memory per rank (MiB)", 1 / 2**20, "memory"),
+    ("forward_bytes", "forward bytes to collectives per rank (MiB)", 1 / 2**20, "forward_bytes"),
+    ("backward_bytes", "backward bytes to collectives per rank (MiB)", 1 / 2**20, "backward_bytes"),
+    ("seconds", "forward+backward time (ms)", 1e3, "time"),
+)
 COLUMNS = ["ranks", "variant", "time (ms)", "peak extra/rank (MiB)", "x baseline", "fwd bytes/token/rank",
            "bwd MiB/rank", "status"]
 
@@ -499,23 +215,11 @@ def _flat(m: Measurement) -> dict[str, Any]:
 def plot(section: Section, out_dir: Path) -> list[Path]:
     """Per-rank peak memory, communicated bytes (forward, backward) and time against N, at 2
     processes, one line per variant, for each form."""
-    from .plots import lines_vs_n
-
-    metrics = (
-        ("peak_extra_bytes", "peak extra memory per rank (MiB)", 1 / 2**20, "memory"),
-        ("forward_bytes", "forward bytes to collectives per rank (MiB)", 1 / 2**20, "forward_bytes"),
-        ("backward_bytes", "backward bytes to collectives per rank (MiB)", 1 / 2**20, "backward_bytes"),
-        ("seconds", "forward+backward time (ms)", 1e3, "time"),
-    )
     paths = []
     for form, what in (("logits", "CE from logits"), ("hidden", "hidden-state CE")):
         data = section.data[form]
-        if "sweep" not in data:
-            continue
-        names = "NHV" if form == "hidden" else "NV"
-        dims = ", ".join(f"{k}={x}" for k, x in zip(names, data["shape"]) if k != "N")
-        paths += lines_vs_n(data["sweep"]["by_n"], out_dir, stem=f"dist_{form}", metrics=metrics,
-                            title=f"vocabulary-parallel {what}, {dims}, {data['sweep']['world']} ranks, "
-                                  f"{data['dtype']}")
+        sweep = data.get("sweep") or {}
+        sizes = {k: x for k, x in zip("NHV" if form == "hidden" else "NV", data["shape"]) if k != "N"}
+        paths += sweep_plots(sweep.get("by_n"), out_dir, stem=f"dist_{form}", what=f"vocabulary-parallel {what}",
+                             sizes=sizes, details=[f"{sweep.get('world')} ranks", data["dtype"]], metrics=SWEEP_METRICS)
     return paths
-

@@ -3,29 +3,26 @@
 Every rank joins one process group (gloo on CPU, nccl on CUDA, rendezvous through a file),
 builds a 1-D device mesh over all ranks, and runs the variant's setup, which returns
 ``(forward, backward)``: ``forward()`` gives the loss, ``backward(loss)`` backpropagates it.
-After a warm-up step, the rank times ``repeats`` steps and records its peak extra memory (CUDA
-``max_memory_allocated``, or the peak resident set on CPU, as :mod:`bench.measure` does), then
-runs one more step under :class:`bench.comm_bytes.CommBytes` to count the bytes it hands to
-collectives in forward and in backward (eager: the counter keeps dynamo from compiling).
+After a warm-up step and a barrier, the rank times ``repeats`` steps and records its peak extra
+memory (:func:`bench.measure.time_step`: CUDA ``max_memory_allocated``, or the peak resident set
+on CPU), then runs one more step under :class:`bench.comm_bytes.CommBytes` to count the bytes it
+hands to collectives in forward and in backward (eager: the counter keeps dynamo from compiling).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import importlib
 import json
 import os
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .comm_bytes import CommBytes
-from .measure import reset_peak_rss, rss_bytes, spread_of
+from .measure import time_step
 
 MARK = "BENCH-RANK-RESULT "
 
@@ -56,29 +53,8 @@ def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
     module, name = spec["setup"].split(":")
     setup: Callable[..., tuple[Callable, Callable]] = getattr(importlib.import_module(module), name)
     forward, backward = setup(mesh=mesh, **spec["kwargs"])
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(spec["warmup"]):
-        backward(forward())
-    sync()
-    dist.barrier()
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        before = rss_bytes("VmRSS") if reset_peak_rss() else None
-    times = []
-    for _ in range(spec["repeats"]):
-        sync()
-        t0 = time.perf_counter()
-        backward(forward())
-        sync()
-        times.append(time.perf_counter() - t0)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        peak = None if before is None else rss_bytes("VmHWM") - before
+    timed = time_step(lambda: backward(forward()), device=spec["device"], warmup=spec["warmup"],
+                      repeats=spec["repeats"], after_warmup=dist.barrier)
     with CommBytes() as fwd:
         loss = forward()
     with CommBytes() as bwd:
@@ -86,7 +62,7 @@ def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
     by_op = {f"forward {k}": v for k, v in fwd.by_op.items()} | {f"backward {k}": v for k, v in bwd.by_op.items()}
     dist.barrier()
     dist.destroy_process_group()
-    return RankMeasurement(rank, statistics.median(times), peak, fwd.bytes, bwd.bytes, by_op, spread_of(times))
+    return RankMeasurement(rank, timed.seconds, timed.peak_extra_bytes, fwd.bytes, bwd.bytes, by_op, timed.spread)
 
 
 if __name__ == "__main__":

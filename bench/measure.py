@@ -12,6 +12,7 @@ process warms the step up (compilation stays out of the timing), then measures:
   to map every block of 64 KiB or more on its own, so no freed memory is silently reused).
 
 Run as ``python -m bench.measure '<json>'``; :func:`measure` does that and parses the answer.
+:func:`time_step` is the measurement itself, in the calling process (each ``dist`` rank's too).
 """
 
 from __future__ import annotations
@@ -50,22 +51,27 @@ class Measurement:
         return None if self.peak_extra_bytes is None else self.peak_extra_bytes / 2**20
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a measuring child process: this one's, with glibc told to serve every
+    block >= 64 KiB by mmap and return it on free, so the resident set sees each transient buffer
+    (the default threshold adapts upward and would let freed warm-up memory hide later
+    allocations), and a shared inductor cache."""
+    env = dict(os.environ)
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
+    return env
+
+
 def measure(
     setup: str, kwargs: dict[str, Any], *, device: str = "cpu", warmup: int = 1, repeats: int = 3,
     timeout: float = 600.0,
 ) -> Measurement:
     """Measure the variant ``setup`` (``"module:function"``) with ``kwargs`` in a fresh process."""
     spec = {"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup, "repeats": repeats}
-    env = dict(os.environ)
-    # glibc: serve every block >= 64 KiB by mmap and return it on free, so the resident set
-    # sees each transient buffer (the default threshold adapts upward and would let freed
-    # warm-up memory hide later allocations).
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "bench.measure", json.dumps(spec)],
-            capture_output=True, text=True, timeout=timeout, env=env,
+            capture_output=True, text=True, timeout=timeout, env=child_env(),
         )
     except subprocess.TimeoutExpired:
         return Measurement(error=f"timed out after {timeout:.0f} s")
@@ -95,18 +101,19 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def _run(spec: dict[str, Any]) -> Measurement:
+def time_step(step: Callable[[], Any], *, device: str, warmup: int, repeats: int,
+              after_warmup: Callable[[], Any] = lambda: None) -> Measurement:
+    """Time ``step`` in this process: ``warmup`` untimed steps (then ``after_warmup()``, e.g. a
+    barrier between ranks), then the median and spread of ``repeats`` timed steps (CUDA
+    synchronised) and the peak extra memory during them (see the module's docs)."""
     import torch
 
-    module, name = spec["setup"].split(":")
-    setup: Callable[..., Callable[[], Any]] = getattr(importlib.import_module(module), name)
-    device = spec["device"]
     cuda = device.startswith("cuda")
-    step = setup(device=device, **spec["kwargs"])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(spec["warmup"]):
+    for _ in range(warmup):
         step()
     sync()
+    after_warmup()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -117,7 +124,7 @@ def _run(spec: dict[str, Any]) -> Measurement:
         # VmRSS first instead could see pages that are released before the reset (a negative peak)
         before = rss_bytes("VmHWM") if reset_peak_rss() else None
     times = []
-    for _ in range(spec["repeats"]):
+    for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
         step()
@@ -128,6 +135,13 @@ def _run(spec: dict[str, Any]) -> Measurement:
     else:
         peak = None if before is None else rss_bytes("VmHWM") - before
     return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak, spread=spread_of(times))
+
+
+def _run(spec: dict[str, Any]) -> Measurement:
+    module, name = spec["setup"].split(":")
+    setup: Callable[..., Callable[[], Any]] = getattr(importlib.import_module(module), name)
+    step = setup(device=spec["device"], **spec["kwargs"])
+    return time_step(step, device=spec["device"], warmup=spec["warmup"], repeats=spec["repeats"])
 
 
 def spread_of(times: list[float]) -> Optional[float]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 
 #: (measurement key, axis label, scale to the axis unit, file suffix) of the default plots.
@@ -54,3 +54,14 @@ def lines_vs_n(by_n: dict[Any, dict[str, dict[str, Any]]], out_dir: Path, *, ste
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def sweep_plots(by_n: Optional[dict[Any, dict[str, dict[str, Any]]]], out_dir: Path, *, stem: str, what: str,
+                sizes: dict[str, Any], details: Sequence[str],
+                metrics: Sequence[tuple[str, str, float, str]] = TIME_AND_MEMORY) -> list[Path]:
+    """The plots of one table's N sweep ``by_n`` (:func:`lines_vs_n`), titled ``what, H=..., V=...,
+    details`` (``sizes``: the dimensions the sweep holds fixed); none where no sweep was measured."""
+    if not by_n:
+        return []
+    title = ", ".join([what, *(f"{k}={x}" for k, x in sizes.items()), *details])
+    return lines_vs_n(by_n, out_dir, stem=stem, title=title, metrics=metrics)

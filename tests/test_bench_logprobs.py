@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench import logprobs
+from bench import logprobs, logprobs_steps
 from bench import measure as bench_measure
 from bench.report import Section
 
@@ -93,7 +93,7 @@ def test_baseline_formulas_match_a_float64_reference():
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(16, 50, generator=g, dtype=torch.float64) * 3, torch.randn(16, 50, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 50, (16,), generator=g)
-    logp, entropy = logprobs.logprobs_and_entropy(s, labels)
+    logp, entropy = logprobs_steps.logprobs_and_entropy(s, labels)
     p = s.softmax(-1)
     torch.testing.assert_close(logp, p[torch.arange(16), labels].log())
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1))
@@ -101,7 +101,7 @@ def test_baseline_formulas_match_a_float64_reference():
         ps, pt = s.softmax(-1), t.softmax(-1)
         m = beta * pt + (1 - beta) * ps
         truth = (beta * (pt * (pt / m).log()).sum(-1) + (1 - beta) * (ps * (ps / m).log()).sum(-1)).mean()
-        torch.testing.assert_close(logprobs.generalized_jsd(s, t, beta), truth)
+        torch.testing.assert_close(logprobs_steps.generalized_jsd(s, t, beta), truth)
 
 
 def test_trl_kernels_agree_with_the_baseline_formulas():
@@ -110,15 +110,15 @@ def test_trl_kernels_agree_with_the_baseline_formulas():
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    h, w = logprobs._projection(32, 16, 300, "fp32", "cpu", seed=0, grad=False)
-    th, tw = logprobs._projection(32, 16, 300, "fp32", "cpu", seed=2, grad=False)
+    h, w = logprobs_steps._projection(32, 16, 300, "fp32", "cpu", seed=0, grad=False)
+    th, tw = logprobs_steps._projection(32, 16, 300, "fp32", "cpu", seed=2, grad=False)
     labels = torch.randint(0, 300, (32,), generator=torch.Generator().manual_seed(1))
     logp, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, labels, 0.7, 128, None, 1.0, ("entropy",))
-    ref_logp, ref_entropy = logprobs.logprobs_and_entropy(F.linear(h, w) / 0.7, labels)
+    ref_logp, ref_entropy = logprobs_steps.logprobs_and_entropy(F.linear(h, w) / 0.7, labels)
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(entropy, ref_entropy)
-    jsd = ChunkedDivergenceFunction.apply(h, w, None, th, tw, None, logprobs.BETA, 0.7)[0].mean()
-    torch.testing.assert_close(jsd, logprobs.generalized_jsd(F.linear(h, w) / 0.7, F.linear(th, tw) / 0.7))
+    jsd = ChunkedDivergenceFunction.apply(h, w, None, th, tw, None, logprobs_steps.BETA, 0.7)[0].mean()
+    torch.testing.assert_close(jsd, logprobs_steps.generalized_jsd(F.linear(h, w) / 0.7, F.linear(th, tw) / 0.7))
 
 
 @pytest.mark.slow  # one child process per variant, three of them compiling: about a minute
