@@ -21,7 +21,6 @@ the routed loss returns 0 with zero gradients.
 from __future__ import annotations
 
 import collections
-import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 import functional_ce
 
+from ..calls import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
@@ -86,13 +86,8 @@ def _probe_loss_mapping(mapping: Any) -> Optional[str]:
         return "it has no 'ForCausalLM' entry"
     if fn is chunked_causal_lm_loss:
         return None
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read the signature of its ForCausalLM loss ({exc})"
-    if tuple(params[: len(_EXPECTED_PARAMS)]) != _EXPECTED_PARAMS:
-        return f"ForCausalLM loss takes {params}, expected it to start with {list(_EXPECTED_PARAMS)}"
-    return None
+    shape = parameters_probe(fn, first=_EXPECTED_PARAMS)
+    return f"its ForCausalLM loss: {shape}" if shape else None
 
 
 def _build_loss_mapping(mapping: collections.abc.Mapping) -> collections.abc.Mapping:

@@ -153,10 +153,17 @@ PACKING_TABLE: tuple[Row, ...] = (
         doc="each document of a packed row runs from a fresh state (length-grouped segments)"),
     Row("{attr} (guard: {capability})", "{module}:{attr}", ">=4.53", "4.53+", each="forward guard",
         probe=_fixed(forward_probe), build=lambda f: build_forward_guard(f["family"]), doc="{reason}"),
-    *(_builder_row(name, epoch) for epoch in EPOCHS for name in BUILDERS),
+    _builder_row("create_causal_mask", "4.53-5.3"),
+    _builder_row("create_sliding_window_causal_mask", "4.53-5.3"),
+    _builder_row("create_causal_mask", "5.4-5.23"),
+    _builder_row("create_sliding_window_causal_mask", "5.4-5.23"),
+    _builder_row("create_causal_mask", "5.24+"),
+    _builder_row("create_sliding_window_causal_mask", "5.24+"),
 )
 
 
+# The ALiBi and mixer builders are imported when a record of theirs is made (their families'
+# modules are imported), not for every enable_packing().
 def _alibi() -> tuple[Callable, Callable]:
     from .alibi import alibi_probe, build_alibi
 
