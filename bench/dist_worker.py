@@ -5,7 +5,7 @@ builds a 1-D device mesh over all ranks, and runs the variant's setup, which ret
 ``(forward, backward)``: ``forward()`` gives the loss, ``backward(loss)`` backpropagates it.
 After a warm-up step, the rank times ``repeats`` steps and records its peak extra memory (CUDA
 ``max_memory_allocated``, or the peak resident set on CPU, as :mod:`bench.measure` does), then
-runs one more step under :class:`bench.comm_bytes.CommBytes` to count the bytes it hands to
+runs one more step under :class:`tests.support.comm_bytes.CommBytes` to count the bytes it hands to
 collectives in forward and in backward (eager: the counter keeps dynamo from compiling).
 """
 
@@ -24,8 +24,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .comm_bytes import CommBytes
-from .measure import reset_peak_rss, rss_bytes, spread_of
+from tests.support.comm_bytes import CommBytes
+from tests.support.rss_peak import reset_peak_rss, rss_bytes
+
+from .measure import spread_of
 
 MARK = "BENCH-RANK-RESULT "
 

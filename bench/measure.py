@@ -27,6 +27,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from tests.support.rss_peak import reset_peak_rss, rss_bytes
+
 _MARK = "BENCH-RESULT "
 
 
@@ -74,25 +76,6 @@ def measure(
             return Measurement(**json.loads(line[len(_MARK):]))
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
     return Measurement(error=tail[0][:200])
-
-
-def rss_bytes(field: str) -> int:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current resident set; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _run(spec: dict[str, Any]) -> Measurement:
