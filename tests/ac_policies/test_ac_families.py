@@ -7,35 +7,14 @@ each preset recomputes is proved by forward calls of leaf modules made during ba
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 
 import pytest
 import torch
 
 import ac_policies
+from tests.ac_policies.probes import PRESETS, call_counts, model_of, recognised, structure, watched_modules
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import AC_FAMILIES, AC_MOE_FAMILIES, tiny_ac_model
-
-PRESETS = ["full", "selective", "non_moe", "non_moe_no_attn"]
-
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def model_of(family: str) -> torch.nn.Module:
-    if family not in _MODELS:
-        _MODELS[family] = tiny_ac_model(family)
-    return _MODELS[family]
-
-
-def _structure(model: torch.nn.Module) -> dict[str, list[str]]:
-    """fqns of the modules each structural predicate recognises."""
-    out: dict[str, list[str]] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for kind in ("moe", "attention", "linear_attention", "dense_mlp", "decoder_block"):
-            p = ac_policies.plan(model, [ac_policies.Rule(when=kind, action="none", on_unmatched="ignore")])
-            out[kind] = [r.fqn for r in p]
-    return out
 
 
 # Expected structure of each tiny model, written from the families' published architectures.
@@ -53,7 +32,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("family", list(AC_FAMILIES))
 def test_structure_is_recognised(family):
-    got = _structure(model_of(family))
+    got = structure(model_of(family))
     for kind, names in EXPECTED[family].items():
         assert got[kind] == [f"model.layers.{n}" for n in names], (kind, got[kind])
     assert got["decoder_block"] == ["model.layers.0", "model.layers.1"]
@@ -81,49 +60,13 @@ def test_presets_keep_loss_and_gradients(family):
             torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{preset}/{name}: {m}")
 
 
-def _first_linear(module: torch.nn.Module) -> torch.nn.Module:
-    return next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
-
-
-def _call_counts(model, ids, watched: dict[str, torch.nn.Module]) -> tuple[Counter, Counter]:
-    """(forward-phase, backward-phase) call counts of the watched modules over one step."""
-    phase = {"bwd": False}
-    fwd, bwd = Counter(), Counter()
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, args, name=name: (bwd if phase["bwd"] else fwd).update([name]))
-        for name, m in watched.items()
-    ]
-    try:
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        phase["bwd"] = True
-        loss.backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    return fwd, bwd
-
-
-def _watched(model) -> dict[str, torch.nn.Module]:
-    s = _structure(model)
-    watched = {}
-    for fqn in s["attention"] + s["linear_attention"]:
-        watched[f"mixer:{fqn}"] = _first_linear(model.get_submodule(fqn))
-    for fqn in s["moe"]:
-        moe = model.get_submodule(fqn)
-        kids = dict(moe.named_children())
-        watched[f"router:{fqn}"] = kids.get("gate", kids.get("router"))
-        watched[f"experts:{fqn}"] = kids["experts"]
-    return watched
-
-
 @pytest.mark.parametrize("family", AC_MOE_FAMILIES)
 def test_non_moe_runs_router_and_experts_once_and_attention_twice(family):
     model = model_of(family)
-    watched = _watched(model)
+    watched = watched_modules(model)
     ids = token_batch()
     with ac_policies.apply_policy(model, "non_moe"):
-        fwd, bwd = _call_counts(model, ids, watched)
+        fwd, bwd = call_counts(model, dict(input_ids=ids, labels=ids), watched)
     for name in watched:
         kind = name.split(":")[0]
         assert fwd[name] == 1, (name, fwd[name])
@@ -132,19 +75,19 @@ def test_non_moe_runs_router_and_experts_once_and_attention_twice(family):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
         with ac_policies.apply_policy(model, "full"):
-            fwd, bwd = _call_counts(model, ids, watched)
+            fwd, bwd = call_counts(model, dict(input_ids=ids, labels=ids), watched)
     assert all(bwd[n] == 1 for n in watched), bwd
     # and nothing reruns without a policy
-    fwd, bwd = _call_counts(model, ids, watched)
+    fwd, bwd = call_counts(model, dict(input_ids=ids, labels=ids), watched)
     assert sum(bwd.values()) == 0 and all(fwd[n] == 1 for n in watched)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_non_moe_no_attn_leaves_softmax_attention_alone(family):
     model = model_of(family)
-    watched = _watched(model)
+    watched = watched_modules(model)
     with ac_policies.apply_policy(model, "non_moe_no_attn"):
-        _, bwd = _call_counts(model, token_batch(), watched)
+        _, bwd = call_counts(model, dict(input_ids=token_batch(), labels=token_batch()), watched)
     for name in watched:
         rerun = name.startswith("mixer:") and "linear_attn" in name  # linear attention is still checkpointed
         assert bwd[name] == int(rerun), (name, bwd[name])
@@ -160,7 +103,7 @@ def test_recompute_flops_per_preset(family):
 
     model = model_of(family)
     ids = token_batch()
-    moe = _structure(model)["moe"]
+    moe = recognised(model, "moe")
     step = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
 
     def total_flops() -> int:
@@ -181,7 +124,7 @@ def test_recompute_flops_per_preset(family):
     assert found["non_moe"][1] == 0 and found["non_moe"][0] > 0
 
     # attribution: under `full` each mixer is rerun whole, so its recompute equals its forward FLOPs
-    s = _structure(model)
+    s = structure(model)
     mixers = s["attention"] + s["linear_attention"]
     with flop_counter() as counter:  # grad on: under no_grad the counter's module tracker raises on Qwen3-Next's conv function module (torch 2.13)
         step()
@@ -301,7 +244,7 @@ def test_moe_selective_table_keeps_gradients_and_reruns_no_moe_matmul(family):
     loss0, grads0 = loss_and_grads(model, ids)
     with ac_policies.apply_policy(model, MOE_SELECTIVE_TABLE):
         loss1, grads1 = loss_and_grads(model, ids)
-        _, moe_flops = recompute_flops(model, lambda: model(input_ids=ids, labels=ids).loss, _structure(model)["moe"])
+        _, moe_flops = recompute_flops(model, lambda: model(input_ids=ids, labels=ids).loss, recognised(model, "moe"))
     assert moe_flops == 0
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
     for name in grads0:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ac_policies import ac_stack_tasks as tasks
-from tests.support.dist_pool import DistPool
+from tests.support.dist_pool import dist_pool_fixture
 
 #: preset -> whether the router's forward is rerun in backward (``full`` checkpoints whole
 #: blocks; ``selective`` saves matmuls, the router's included; the ``non_moe`` presets leave the
@@ -21,11 +21,7 @@ from tests.support.dist_pool import DistPool
 ROUTER_RECOMPUTED = {"full": True, "selective": False, "non_moe": False, "non_moe_no_attn": False}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2)
-    yield p
-    p.close()
+pool = dist_pool_fixture(2)
 
 
 def _check(results: list[dict]) -> None:

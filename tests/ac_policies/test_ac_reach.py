@@ -6,23 +6,14 @@ MLPs). Every preset is bitwise-exact; recompute is counted with forward calls.""
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 
 import pytest
 import torch
 
 import ac_policies
-from tests.support.batches import image_batch, token_batch
-from tests.support.tiny_models import AC_REACH_FAMILIES, tiny_ac_model
-
-PRESETS = ["full", "selective", "non_moe", "non_moe_no_attn"]
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def model_of(family: str) -> torch.nn.Module:
-    if family not in _MODELS:
-        _MODELS[family] = tiny_ac_model(family)
-    return _MODELS[family]
+from tests.ac_policies.probes import PRESETS, call_counts, model_of, recognised, watched_modules
+from tests.support.batches import image_batch, step_loss_and_grads, token_batch
+from tests.support.tiny_models import AC_REACH_FAMILIES
 
 
 def inputs(family: str) -> dict[str, torch.Tensor]:
@@ -63,12 +54,6 @@ EXPECTED = {
 }
 
 
-def recognised(model, kind: str) -> list[str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [r.fqn for r in ac_policies.plan(model, [ac_policies.Rule(when=kind, action="none", on_unmatched="ignore")])]
-
-
 @pytest.mark.parametrize("family", list(AC_REACH_FAMILIES))
 def test_structure_is_recognised(family):
     model = model_of(family)
@@ -76,74 +61,34 @@ def test_structure_is_recognised(family):
         assert recognised(model, kind) == names, kind
 
 
-def _step(model, kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    out = model(**kw)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
 @pytest.mark.parametrize("family", list(AC_REACH_FAMILIES))
 def test_every_preset_is_bitwise_exact(family):
     model, kw = model_of(family), inputs(family)
-    loss0, grads0 = _step(model, kw)
+    loss0, grads0 = step_loss_and_grads(model, kw)
     for preset in PRESETS:
         with ac_policies.apply_policy(model, preset) as handle:
-            loss1, grads1 = _step(model, kw)
+            loss1, grads1 = step_loss_and_grads(model, kw)
         assert handle.plan.wrapped and handle.plan.nested == (), preset
         assert torch.equal(loss1, loss0), preset
         assert grads1.keys() == grads0.keys()
         assert [n for n in grads0 if not torch.equal(grads1[n], grads0[n])] == [], preset
 
 
-def _first_linear(module):
-    return next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
-
-
-def _watched(model) -> dict[str, torch.nn.Module]:
-    """Leaf modules to count: each mixer's first projection, each MoE block's router and experts."""
-    watched = {}
-    for fqn in recognised(model, "attention") + recognised(model, "linear_attention"):
-        watched[f"mixer:{fqn}"] = _first_linear(model.get_submodule(fqn))
-    for fqn in recognised(model, "moe"):
-        kids = dict(model.get_submodule(fqn).named_children())
-        watched[f"router:{fqn}"] = kids.get("gate", kids.get("router"))
-        watched[f"experts:{fqn}"] = kids.get("experts", kids.get("input_linear"))
-    return watched
-
-
-def _counts(model, kw, watched) -> tuple[Counter, Counter]:
-    phase = {"bwd": False}
-    fwd, bwd = Counter(), Counter()
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: (bwd if phase["bwd"] else fwd).update([n]))
-             for n, m in watched.items()]
-    try:
-        model.zero_grad(set_to_none=True)
-        loss = model(**kw).loss
-        phase["bwd"] = True
-        loss.backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    return fwd, bwd
-
-
 @pytest.mark.parametrize("family", list(AC_REACH_FAMILIES))
 def test_router_and_experts_run_once_under_non_moe_and_full_reruns_every_block(family):
     model, kw = model_of(family), inputs(family)
-    watched = _watched(model)
+    watched = watched_modules(model)
     assert any(n.startswith("router:") for n in watched) and any(n.startswith("mixer:") for n in watched)
     with ac_policies.apply_policy(model, "non_moe"):
-        fwd, bwd = _counts(model, kw, watched)
+        fwd, bwd = call_counts(model, kw, watched)
     for name in watched:
         assert fwd[name] == 1, (name, fwd[name])
         assert bwd[name] == (1 if name.startswith("mixer:") else 0), (name, bwd[name])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
         with ac_policies.apply_policy(model, "full"):
-            fwd, bwd = _counts(model, kw, watched)
+            fwd, bwd = call_counts(model, kw, watched)
     assert all(bwd[n] == 1 for n in watched), bwd  # vision blocks included
 
 

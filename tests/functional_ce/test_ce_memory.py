@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 import functional_ce
-from tests.support.alloc_trace import AllocationTrace
 from tests.functional_ce.ce_cases import PATHS
+from tests.support.alloc_trace import AllocationTrace, saved_for_backward, trace_forward_and_backward
 from tests.support.rss_peak import peak_extra_bytes
 
 N, V, CHUNK = 64, 1000, 16
@@ -26,14 +25,9 @@ def test_autograd_saves_the_callers_logits_and_only_row_statistics(kwargs):
     logits, labels = _inputs()
     if kwargs.get("weights"):
         kwargs = dict(kwargs, weights=torch.rand(labels.shape))
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        loss = functional_ce.cross_entropy(logits, labels, chunk_size=CHUNK, compile_chunks=False, **kwargs)
+    loss, saved = saved_for_backward(
+        lambda: functional_ce.cross_entropy(logits, labels, chunk_size=CHUNK, compile_chunks=False, **kwargs)
+    )
     big = [t for t in saved if t.numel() > N]
     assert len(big) == 1, f"expected only the logits to be saved, got shapes {[tuple(t.shape) for t in big]}"
     (logits_saved,) = big
@@ -48,12 +42,9 @@ def test_autograd_saves_the_callers_logits_and_only_row_statistics(kwargs):
 def test_forward_and_backward_allocate_at_most_chunk_sized_fp32_and_one_gradient(inplace):
     """Every allocation of the eager chunk maths, opened up operator by operator."""
     logits, labels = _inputs()
-    with AllocationTrace() as fwd:
-        loss = functional_ce.cross_entropy(
-            logits, labels, chunk_size=CHUNK, inplace_grad=inplace, compile_chunks=False, z_loss=1e-4
-        )
-    with AllocationTrace() as bwd:
-        loss.backward()
+    fwd, bwd = trace_forward_and_backward(lambda: functional_ce.cross_entropy(
+        logits, labels, chunk_size=CHUNK, inplace_grad=inplace, compile_chunks=False, z_loss=1e-4
+    ))
     assert fwd.records and bwd.records, "the trace saw nothing: the test would prove nothing"
     assert fwd.largest() <= CHUNK * V, f"forward allocated {fwd.largest()} elements > one chunk ({CHUNK * V})"
     full = bwd.with_numel(N * V)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.functional_ce.ce_cases import ROUNDING, absmax, make_case, worst
-from tests.support.dist_pool import DistPool
-from tests.functional_ce.linear_cases import make_linear_case, reference_linear
-from tests.support.reference import reference_cross_entropy
 from tests.functional_ce import vocab_parallel_tasks as tasks
+from tests.functional_ce.ce_cases import ROUNDING, absmax, make_case, worst
+from tests.functional_ce.linear_cases import make_linear_case, reference_linear
+from tests.support.dist_pool import dist_pool_fixture
+from tests.support.reference import reference_cross_entropy
 
 V = 509
 #: (mesh shape, the mesh dim that shards the vocabulary): 2, 3, 4 processes, and a 2x2 mesh
@@ -46,11 +46,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 MAX_FORWARD_BYTES_PER_TOKEN = 64
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(4)
-    yield p
-    p.close()
+pool = dist_pool_fixture(4)
 
 
 def _upstream_backward(out: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 import functional_ce
-from tests.support.alloc_trace import AllocationTrace
 from tests.functional_ce.ce_cases import PATHS
+from tests.support.alloc_trace import AllocationTrace, saved_for_backward, trace_forward_and_backward
 from tests.support.rss_peak import peak_extra_bytes
 
 # N * V is larger than every legitimate buffer (V * H weight gradient, chunk x V logits).
@@ -33,13 +32,10 @@ def _inputs(dtype=torch.bfloat16, bias=True):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_no_allocation_of_tokens_times_vocab(kwargs, dtype, recompute):
     hidden, weight, bias, labels = _inputs(dtype)
-    with AllocationTrace() as fwd:
-        loss = functional_ce.linear_cross_entropy(
-            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
-            recompute_logits_in_backward=recompute, **kwargs
-        )
-    with AllocationTrace() as bwd:
-        loss.backward()
+    fwd, bwd = trace_forward_and_backward(lambda: functional_ce.linear_cross_entropy(
+        hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
+        recompute_logits_in_backward=recompute, **kwargs
+    ))
     for phase, trace in (("forward", fwd), ("backward", bwd)):
         assert trace.records, f"the trace saw nothing in {phase}; it does not open the operators"
         too_big = [r for r in trace.records if _numel(r[1]) > max(CHUNK * V, V * H)]
@@ -59,14 +55,8 @@ def test_forward_keeps_only_the_gradients_and_row_statistics():
     """Default path: what autograd holds from forward to backward is the callers' tensors, one
     gradient per input (input dtype, no fp32 accumulator) and O(N) fp32 rows."""
     hidden, weight, bias, labels = _inputs()
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False)
+    _, saved = saved_for_backward(lambda: functional_ce.linear_cross_entropy(
+        hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False))
     callers = {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}
     new = sorted(((tuple(t.shape), t.dtype) for t in saved if t.data_ptr() not in callers), key=str)
     assert new == sorted([((N,), torch.float32), ((N, H), hidden.dtype), ((V, H), weight.dtype), ((V,), bias.dtype)],
@@ -75,17 +65,10 @@ def test_forward_keeps_only_the_gradients_and_row_statistics():
 
 def test_autograd_saves_only_the_callers_tensors_and_row_statistics():
     hidden, weight, bias, labels = _inputs()
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        functional_ce.linear_cross_entropy(
-            hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
-            recompute_logits_in_backward=True,
-        )
+    _, saved = saved_for_backward(lambda: functional_ce.linear_cross_entropy(
+        hidden, weight, labels, bias=bias, chunk_size=CHUNK, compile_chunks=False,
+        recompute_logits_in_backward=True,
+    ))
     big = [t for t in saved if t.numel() > N]
     ptrs = {t.data_ptr() for t in big}
     assert ptrs == {hidden.data_ptr(), weight.data_ptr(), bias.data_ptr()}, (

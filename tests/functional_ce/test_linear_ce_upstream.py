@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import functional_ce
-from tests.support.alloc_trace import AllocationTrace
 from tests.functional_ce.linear_cases import make_linear_case
+from tests.support.alloc_trace import AllocationTrace
 
 RECOMPUTE = {"grads-in-forward": False, "recompute": True}
 OPTS = dict(label_smoothing=0.1, z_loss=1e-3, softcap=20.0, chunk_size=5, compile_chunks=False)

@@ -8,14 +8,10 @@ import pytest
 import torch
 
 from tests.functional_ce import pipeline_tasks as tasks
-from tests.support.dist_pool import DistPool
+from tests.support.dist_pool import dist_pool_fixture
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2)
-    yield p
-    p.close()
+pool = dist_pool_fixture(2)
 
 
 @pytest.fixture(scope="module")

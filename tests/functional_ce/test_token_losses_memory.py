@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 import functional_ce
-from tests.support.alloc_trace import AllocationTrace
+from tests.support.alloc_trace import saved_for_backward, trace_forward_and_backward
 
 # N * V is larger than every legitimate buffer (a chunk of logits, a [V, H] weight gradient).
 N, H, HT, V, CHUNK = 96, 8, 12, 1000, 16
@@ -51,10 +50,7 @@ def _numel(shape) -> int:
 @pytest.mark.parametrize("call", list(HIDDEN_CALLS))
 def test_hidden_state_forms_build_no_tokens_by_vocabulary_buffer(call):
     hidden, weight, t_hidden, t_weight, labels = _hidden_inputs()
-    with AllocationTrace() as fwd:
-        loss = HIDDEN_CALLS[call](hidden, weight, t_hidden, t_weight, labels)
-    with AllocationTrace() as bwd:
-        loss.backward()
+    fwd, bwd = trace_forward_and_backward(lambda: HIDDEN_CALLS[call](hidden, weight, t_hidden, t_weight, labels))
     for phase, trace in (("forward", fwd), ("backward", bwd)):
         assert trace.records, f"the trace saw nothing in {phase}"
         too_big = [r for r in trace.records if _numel(r[1]) > max(CHUNK * V, V * HT)]
@@ -68,10 +64,8 @@ def test_log_probs_forward_keeps_only_the_callers_tensors_and_row_statistics():
     """The per-token upstream gradient is unknown in forward: autograd keeps hidden, weight,
     labels and two fp32 values per row (the logsumexp and the entropy), nothing of size V x N."""
     hidden, weight, _, _, labels = _hidden_inputs()
-    saved = []
-    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        functional_ce.linear_token_logprobs(hidden, weight, labels, return_entropy=True, chunk_size=CHUNK,
-                                            compile_chunks=False)
+    _, saved = saved_for_backward(lambda: functional_ce.linear_token_logprobs(
+        hidden, weight, labels, return_entropy=True, chunk_size=CHUNK, compile_chunks=False))
     callers = {hidden.data_ptr(), weight.data_ptr()}
     big = [t for t in saved if t.numel() > 2 * N]
     assert {t.data_ptr() for t in big} <= callers, [(tuple(t.shape), t.dtype) for t in big]
@@ -85,10 +79,9 @@ def test_distillation_from_logits_allocates_no_fp32_copy(teacher_grad):
     g = torch.Generator().manual_seed(1)
     student = torch.randn(N, V, generator=g).bfloat16().requires_grad_()
     teacher = torch.randn(N, V, generator=g).bfloat16().requires_grad_(teacher_grad)
-    with AllocationTrace() as fwd:
-        loss = functional_ce.distillation_loss(student, teacher, beta=0.5, chunk_size=CHUNK, compile_chunks=False)
-    with AllocationTrace() as bwd:
-        loss.backward()
+    fwd, bwd = trace_forward_and_backward(
+        lambda: functional_ce.distillation_loss(student, teacher, beta=0.5, chunk_size=CHUNK, compile_chunks=False)
+    )
     assert not [r for r in fwd.records if _numel(r[1]) > CHUNK * V], fwd.records[:3]
     full = [r for r in bwd.records if _numel(r[1]) > CHUNK * V]
     assert sorted(r[1:] for r in full) == [((N, V), torch.bfloat16)] * (1 + teacher_grad), full

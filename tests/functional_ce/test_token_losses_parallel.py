@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from tests.functional_ce.ce_cases import ROUNDING, absmax
-from tests.support.dist_pool import DistPool
 from tests.functional_ce import token_losses_parallel_tasks as tasks
+from tests.functional_ce.ce_cases import ROUNDING, absmax
 from tests.functional_ce.token_losses_parallel_tasks import TokenCase
+from tests.support.dist_pool import dist_pool_fixture
 
 V = 509
 MESHES = [((2,), 0), ((3,), 0), ((4,), 0), ((2, 2), 1)]
@@ -37,11 +37,7 @@ DISTILL_OPTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(4)
-    yield p
-    p.close()
+pool = dist_pool_fixture(4)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str, slack: float = 1.0) -> None:

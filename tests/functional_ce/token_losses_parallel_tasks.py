@@ -18,9 +18,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import functional_ce
+from tests.functional_ce.vocab_parallel_tasks import placements
 from tests.support.comm_bytes import CommBytes
 from tests.support.reference import reference_generalized_jsd, reference_token_logprobs
-from tests.functional_ce.vocab_parallel_tasks import placements
 
 
 @dataclasses.dataclass

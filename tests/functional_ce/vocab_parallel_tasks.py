@@ -9,15 +9,15 @@ bytes handed to collectives in forward and in backward separately, and returns p
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_ce
 from tests.functional_ce.ce_cases import make_case
-from tests.support.comm_bytes import CommBytes
 from tests.functional_ce.linear_cases import make_linear_case, reference_linear
+from tests.support.comm_bytes import CommBytes
 from tests.support.reference import reference_cross_entropy
 
 
@@ -56,6 +56,11 @@ def _backward(out: DTensor, upstream_seed: int, inputs: list[torch.Tensor]) -> t
     return [t.grad for t in inputs], comm
 
 
+def _compiled(fn: Callable[..., Any], compile: Optional[str]) -> Callable[..., Any]:
+    """``fn``, or ``fn`` compiled whole (``fullgraph=True``) with the ``compile`` backend."""
+    return fn if compile is None else torch.compile(fn, backend=compile, fullgraph=True)
+
+
 def _counted(compile: Optional[str]) -> CommBytes:
     """A byte counter for an eager call; under torch.compile (which refuses a user dispatch
     mode while it traces) one that stays empty."""
@@ -70,8 +75,11 @@ class _NotCounted(CommBytes):
         return False
 
 
-def _replicated_token_args(mesh, labels, kwargs):
-    """Labels, mask and weights as DTensors ``Replicate()`` on every mesh dim."""
+def _token_args(mesh, labels: torch.Tensor, kwargs: dict[str, Any], as_dtensor: bool) -> tuple[Any, dict[str, Any]]:
+    """Labels and the loss keywords as given, or with labels, mask and weights as DTensors
+    ``Replicate()`` on every mesh dim (``as_dtensor``)."""
+    if not as_dtensor:
+        return labels, kwargs
     as_dt = lambda t: distribute_tensor(t, mesh, [Replicate()] * mesh.ndim)  # noqa: E731
     kwargs = dict(kwargs)
     for key in ("mask", "weights"):
@@ -93,12 +101,8 @@ def logits_case(mesh, mesh_dim, seed, batch_shape, v, dtype, kwargs, inplace=Fal
     local_storage = logits.to_local().data_ptr()
     reaching: list[bool] = []
     logits.register_hook(lambda g: reaching.append(g.to_local().data_ptr() == local_storage))
-    labels, kwargs = case.labels, case.kwargs
-    if token_args_as_dtensor:
-        labels, kwargs = _replicated_token_args(mesh, labels, kwargs)
-    fn = functional_ce.cross_entropy
-    if compile is not None:
-        fn = torch.compile(fn, backend=compile, fullgraph=True)
+    labels, kwargs = _token_args(mesh, case.labels, case.kwargs, token_args_as_dtensor)
+    fn = _compiled(functional_ce.cross_entropy, compile)
     with _counted(compile) as fwd:
         out = fn(logits, labels, **kwargs, inplace_grad=inplace, compile_chunks=compile_chunks,
                  chunk_size=chunk_size)
@@ -125,12 +129,8 @@ def linear_case(mesh, mesh_dim, seed, batch_shape, h, v, dtype, kwargs, bias=Fal
     b = None
     if case.bias is not None:
         b = distribute_tensor(case.bias, mesh, placements(mesh.ndim, mesh_dim, Shard(0))).requires_grad_()
-    labels, kwargs = case.labels, case.kwargs
-    if token_args_as_dtensor:
-        labels, kwargs = _replicated_token_args(mesh, labels, kwargs)
-    fn = functional_ce.linear_cross_entropy
-    if compile is not None:
-        fn = torch.compile(fn, backend=compile, fullgraph=True)
+    labels, kwargs = _token_args(mesh, case.labels, case.kwargs, token_args_as_dtensor)
+    fn = _compiled(functional_ce.linear_cross_entropy, compile)
     with _counted(compile) as fwd:
         out = fn(hidden, weight, labels, bias=b, **kwargs, compile_chunks=compile_chunks,
                  chunk_size=chunk_size)

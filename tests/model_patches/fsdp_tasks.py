@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.support.comm_bytes import CommBytes
 from tests.support.batches import padded_batch
+from tests.support.comm_bytes import CommBytes
 from tests.support.tiny_models import tiny_loss_model
 
 

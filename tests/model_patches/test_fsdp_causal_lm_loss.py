@@ -13,14 +13,10 @@ import pytest
 import torch
 
 from tests.model_patches import fsdp_tasks
-from tests.support.dist_pool import DistPool
+from tests.support.dist_pool import dist_pool_fixture
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2)
-    yield p
-    p.close()
+pool = dist_pool_fixture(2)
 
 
 def _check_against_reference(results: list[dict]) -> None:

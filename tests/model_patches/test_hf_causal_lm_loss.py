@@ -8,13 +8,8 @@ import torch.nn as nn
 
 import model_patches
 from tests.support.batches import grads, packed_batch, padded_batch
+from tests.support.reference import model_loss_and_grads
 from tests.support.tiny_models import LOSS_FAMILIES, tiny_loss_model
-
-
-def _reference(model, batch):
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), grads(model)
 
 
 def _ours(model, batch, **kw):
@@ -36,7 +31,7 @@ def _assert_same(ref, ours, rtol=1e-4, atol=1e-6):
 def test_loss_and_gradients_match_the_models_own_loss(model_type):
     model = tiny_loss_model(model_type)
     batch = padded_batch()
-    _assert_same(_reference(model, batch), _ours(model, batch))
+    _assert_same(model_loss_and_grads(model, batch), _ours(model, batch))
 
 
 def test_every_verified_model_type_is_tested_here():
@@ -49,7 +44,7 @@ def test_gemma2_softcapping_and_tied_embeddings_are_used():
     model = tiny_loss_model("gemma2", final_logit_softcapping=0.1)  # small enough to bite on tiny logits
     assert model.lm_head.weight is model.get_input_embeddings().weight
     batch = padded_batch(seed=3)
-    ref = _reference(model, batch)
+    ref = model_loss_and_grads(model, batch)
     _assert_same(ref, _ours(model, batch))
     model.config.final_logit_softcapping = None  # proves the cap matters: the loss changes
     assert not torch.allclose(model_patches.causal_lm_loss(model, **batch), ref[0], rtol=1e-3)
@@ -58,7 +53,7 @@ def test_gemma2_softcapping_and_tied_embeddings_are_used():
 def test_num_items_in_batch_normalisation():
     model = tiny_loss_model("llama")
     batch = dict(padded_batch(), num_items_in_batch=torch.tensor(40))
-    _assert_same(_reference(model, batch), _ours(model, batch))
+    _assert_same(model_loss_and_grads(model, batch), _ours(model, batch))
 
 
 def test_packed_row_with_shift_labels_and_position_ids():
@@ -92,13 +87,13 @@ def test_biased_plain_linear_head_is_handled():
         head.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     model.lm_head = head
     batch = padded_batch()
-    _assert_same(_reference(model, batch), _ours(model, batch))
+    _assert_same(model_loss_and_grads(model, batch), _ours(model, batch))
 
 
 def test_bf16_model_matches_closely():
     model = tiny_loss_model("qwen2", dtype=torch.bfloat16)
     batch = padded_batch()
-    _assert_same(_reference(model, batch), _ours(model, batch), rtol=2e-2, atol=2e-3)
+    _assert_same(model_loss_and_grads(model, batch), _ours(model, batch), rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize(
@@ -141,7 +136,7 @@ def test_unverified_model_type_warns_once_and_still_matches(caplog):
         model_patches.causal_lm_loss(model, **batch)
     warned = [r for r in caplog.records if "starcoder2" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
-    _assert_same(_reference(model, batch), ours)
+    _assert_same(model_loss_and_grads(model, batch), ours)
 
 
 def test_fp32_model_under_bf16_autocast_matches_the_models_own_loss():

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import model_patches
 from model_patches.loss.hidden_state_loss import VERIFIED_MODEL_TYPES
 from tests.support.batches import grads, packed_batch, padded_batch
-from tests.support.tiny_models import tiny_loss_model
 from tests.support.reference import reference_generalized_jsd, reference_token_logprobs
+from tests.support.tiny_models import tiny_loss_model
 
 #: A smaller teacher (hidden size 32) for the different-hidden-size cases.
 SMALL = dict(hidden_size=32, intermediate_size=64, head_dim=8)

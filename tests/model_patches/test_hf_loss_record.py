@@ -8,14 +8,9 @@ import torch
 import model_patches
 from model_patches.loss import chunked_loss
 from tests.support.alloc_trace import AllocationTrace
-from tests.support.batches import grads, packed_batch, padded_batch
+from tests.support.batches import packed_batch, padded_batch
+from tests.support.reference import model_loss_and_grads
 from tests.support.tiny_models import LOSS_VOCAB, tiny_loss_model
-
-
-def _loss_and_grads(model, batch):
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), grads(model)
 
 
 @pytest.mark.parametrize("model_type, dtype", [("llama", torch.float32), ("gemma2", torch.float32),
@@ -23,10 +18,10 @@ def _loss_and_grads(model, batch):
 def test_routed_loss_equals_transformers_loss(model_type, dtype):
     model = tiny_loss_model(model_type, dtype=dtype)
     batch = padded_batch()
-    ref_loss, ref_grads = _loss_and_grads(model, batch)
+    ref_loss, ref_grads = model_loss_and_grads(model, batch)
     with model_patches.enable_chunked_loss():
         assert model.loss_function is chunked_loss.chunked_causal_lm_loss
-        loss, got = _loss_and_grads(model, batch)
+        loss, got = model_loss_and_grads(model, batch)
     # Same fp32 maths on the same logits: equal up to summation order.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
@@ -39,9 +34,9 @@ def test_num_items_in_batch_and_shift_labels(extra):
     model = tiny_loss_model("qwen2")
     batch = dict(packed_batch(), use_cache=False, **extra)
     batch["labels"] = batch["shift_labels"]
-    ref_loss, ref_grads = _loss_and_grads(model, batch)
+    ref_loss, ref_grads = model_loss_and_grads(model, batch)
     with model_patches.enable_chunked_loss():
-        loss, got = _loss_and_grads(model, batch)
+        loss, got = model_loss_and_grads(model, batch)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name in ref_grads:
         torch.testing.assert_close(got[name], ref_grads[name], rtol=1e-4, atol=1e-6)

@@ -6,19 +6,25 @@ the same mode, so allocations and matmuls inside the chunk loops are seen too (t
 ``FlopCounterMode`` sees each operator as one opaque call). Compiled chunk graphs do not run
 under a dispatch mode: the chunk maths runs eagerly there. For an operator on DTensors the mode
 steps aside, so what is recorded are the local tensors each process allocates.
+
+:func:`trace_forward_and_backward` traces a loss's forward and its backward separately;
+:func:`saved_for_backward` lists what autograd keeps from a forward for the backward.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torch.utils.flop_counter import flop_registry
 
 from functional_ce.driver import IMPLEMENTATIONS
+
+T = TypeVar("T")
 
 # Operators whose outputs are views or the mutated input, not new storage.
 _NO_ALLOC = {"aten::view", "aten::_unsafe_view", "aten::slice", "aten::select", "aten::unsqueeze",
@@ -58,6 +64,28 @@ class AllocationTrace(TorchDispatchMode):
 
     def with_numel(self, numel: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         return [r for r in self.records if _numel(r[1]) == numel]
+
+
+def trace_forward_and_backward(forward: Callable[[], torch.Tensor]) -> tuple[AllocationTrace, AllocationTrace]:
+    """``(trace of forward(), trace of the scalar loss's backward())``."""
+    with AllocationTrace() as fwd:
+        loss = forward()
+    with AllocationTrace() as bwd:
+        loss.backward()
+    return fwd, bwd
+
+
+def saved_for_backward(forward: Callable[[], T]) -> tuple[T, list[torch.Tensor]]:
+    """``(forward(), every tensor autograd saved for the backward during the call)``."""
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    return out, saved
 
 
 #: Matmul-like operators as a Python mode sees them (composite ones are not decomposed there):

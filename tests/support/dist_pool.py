@@ -4,8 +4,9 @@ Spawning processes and creating a process group takes seconds, so a test module 
 :class:`DistPool` (``world_size`` processes, default 4) in a module-scoped fixture and sends it
 tasks. A task is a module-level function ``fn(mesh, *args)``; every process runs it (processes
 outside ``mesh`` get ``mesh=None``) and :meth:`DistPool.run` returns the per-rank results, or
-raises the first rank's exception with its traceback. Meshes smaller than the world (2 or 3
-ranks, 2-D shapes) are created once per shape on every process, as DeviceMesh requires.
+raises the first rank's exception with its traceback (:func:`dist_pool_fixture` makes that
+fixture). Meshes smaller than the world (2 or 3 ranks, 2-D shapes) are created once per shape
+on every process, as DeviceMesh requires.
 
 Each process runs one intra-op thread (the machine's cores are shared by all ranks) and the
 chunk maths eagerly unless a task turns compiling on.
@@ -18,7 +19,7 @@ import os
 import queue
 import tempfile
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -101,3 +102,17 @@ class DistPool:
                 p.kill()
         if os.path.exists(self._init_file):
             os.unlink(self._init_file)
+
+
+def dist_pool_fixture(world_size: int) -> Any:
+    """A module-scoped pytest fixture named ``pool``: one :class:`DistPool` of ``world_size``
+    processes for the test module that assigns it (``pool = dist_pool_fixture(2)``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def pool() -> Iterator[DistPool]:
+        processes = DistPool(world_size)
+        yield processes
+        processes.close()
+
+    return pool

@@ -1,4 +1,5 @@
-"""fp64 references of the documented loss semantics, written independently of the library."""
+"""References the tests compare the library with: fp64 losses of the documented semantics,
+written independently of the library, and a Hugging Face model's own loss."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Optional
 
 import torch
+
+from tests.support.batches import grads
 
 
 def reference_cross_entropy(
@@ -112,3 +115,11 @@ def reference_generalized_jsd(
         n = float(num_label_tokens)
         return total / n if n > 0 else total * 0
     return total / max(int(counted.sum()), 1) if reduction == "mean" else total
+
+
+def model_loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's own ``model(**batch).loss`` (full logits) and the gradients its backward leaves
+    on every parameter; the model's gradients are cleared afterwards."""
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), grads(model)
