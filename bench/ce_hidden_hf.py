@@ -83,8 +83,8 @@ def measure_hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> t
         rows=rows,
         baseline=f"model(**batch, labels=...).loss.backward() with Transformers' ForCausalLMLoss; "
                  f"one fp32 copy of the logits is {fp32_copy_mib:.0f} MiB",
-        notes=["loss and gradients of the three variants are asserted equal in tests/test_hf_loss_record.py "
-               "and tests/test_hf_causal_lm_loss.py"],
+        notes=["loss and gradients of the three variants are asserted equal in tests/model_patches/test_hf_loss_record.py "
+               "and tests/model_patches/test_hf_causal_lm_loss.py"],
         command="python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
             "--lce-hf", args.lce_hf, "--lce-repeats", str(args.lce_repeats), "--device", args.device]),
         spread=spreads(results),

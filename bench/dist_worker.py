@@ -5,7 +5,7 @@ builds a 1-D device mesh over all ranks, and runs the variant's setup, which ret
 ``(forward, backward)``: ``forward()`` gives the loss, ``backward(loss)`` backpropagates it.
 After a warm-up step and a barrier, the rank times ``repeats`` steps and records its peak extra
 memory (:func:`bench.measure.time_step`: CUDA ``max_memory_allocated``, or the peak resident set
-on CPU), then runs one more step under :class:`bench.comm_bytes.CommBytes` to count the bytes it
+on CPU), then runs one more step under :class:`tests.support.comm_bytes.CommBytes` to count the bytes it
 hands to collectives in forward and in backward (eager: the counter keeps dynamo from compiling).
 """
 
@@ -21,7 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .comm_bytes import CommBytes
+from tests.support.comm_bytes import CommBytes
+
 from .measure import time_step
 
 MARK = "BENCH-RANK-RESULT "

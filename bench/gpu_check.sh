@@ -52,7 +52,7 @@ step "1 ce [16384, 128256] bf16" 150 python -m bench --device cuda --only ce --n
     --ce-shape 16384,128256 --ce-repeats 10 --out "$out/ce" --json "$out/ce.json"
 step "2 lce N=16384 H=4096 V=128256 bf16" 150 python -m bench --device cuda --only lce --no-progress \
     --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-profile --out "$out/lce" --json "$out/lce.json"
-step "3 CUDA-only tests" 90 bash -o pipefail -c "python -m pytest -q -m cuda -p no:cacheprovider tests/test_ce_cuda.py \
+step "3 CUDA-only tests" 90 bash -o pipefail -c "python -m pytest -q -m cuda -p no:cacheprovider tests/functional_ce/test_ce_cuda.py \
     | tee '$out/cuda_tests.txt'"
 step "4 logprobs N=16384 H=4096 V=128256 bf16" 180 python -m bench --device cuda --only logprobs --no-progress \
     --logprobs-tables logprobs,distill_hidden --logprobs-n 16384 --logprobs-h 4096 --logprobs-v 128256 \

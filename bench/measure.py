@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from tests.support.rss_peak import reset_peak_rss, rss_bytes
+
 _MARK = "BENCH-RESULT "
 
 
@@ -55,8 +57,11 @@ def child_env() -> dict[str, str]:
     """The environment of a measuring child process: this one's, with glibc told to serve every
     block >= 64 KiB by mmap and return it on free, so the resident set sees each transient buffer
     (the default threshold adapts upward and would let freed warm-up memory hide later
-    allocations), and a shared inductor cache."""
+    allocations), a shared inductor cache, and the repository root on ``PYTHONPATH`` (bench reads
+    its memory and byte counters from ``tests.support``)."""
     env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
     return env
@@ -80,25 +85,6 @@ def measure(
             return Measurement(**json.loads(line[len(_MARK):]))
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
     return Measurement(error=tail[0][:200])
-
-
-def rss_bytes(field: str) -> int:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current resident set; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def time_step(step: Callable[[], Any], *, device: str, warmup: int, repeats: int,

@@ -1,0 +1,1 @@
+"""Tests of the ``bench`` package: its sections at tiny shapes, reports and comparisons."""
