@@ -3,7 +3,12 @@
 Each wrapped module gets an *instance* attribute ``forward`` that runs the original bound
 forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 preserve_rng_state=True)`` (with torch's selective-checkpoint ``context_fn`` for
-``selective``), or under ``save_on_cpu`` for ``offload``. Nothing else changes: the module's
+``selective``), or, for ``offload``, as is under saved-tensor hooks that copy its activations to
+pinned host memory on a side CUDA stream during forward and bring them back ahead of their use
+in backward (:mod:`ac_policies.offload`). On a module whose parameters are not on a CUDA device
+there is nowhere to offload to: ``offload`` runs it as is, keeping activations where they are (as
+``none`` would), with one :class:`~ac_policies.plan.ACPolicyWarning` per process. Nothing else
+changes: the module's
 type, its children, ``named_parameters``/``named_modules``/``state_dict`` keys and
 ``isinstance`` dispatch stay as they were, and module hooks (FSDP2's included) stay outside
 the checkpoint region, so they run once per step. Undo deletes the attribute.
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,7 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .cache import cache_safe, has_cache
 from .compile_compat import compile_safe
-from .plan import Plan, PlanRow, plan
+from .offload import default_offloader
+from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
 
@@ -125,6 +133,48 @@ def _related(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in found if hasattr(m, "gradient_checkpointing")]
 
 
+_offload_warned = False
+_offload_warn_lock = threading.Lock()
+
+
+def _module_device(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.device]:
+    """The device of the module's first parameter or buffer, else of its first tensor argument."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+def _warn_offload_in_place(fqn: str, device: Optional[torch.device]) -> None:
+    """Warn once per process that ``offload`` keeps activations where they are off CUDA."""
+    global _offload_warned
+    with _offload_warn_lock:
+        if _offload_warned:
+            return
+        _offload_warned = True
+    warnings.warn(
+        f"ac_policies: 'offload' on {fqn or '<root>'} runs on {device or 'no device'}, not on a CUDA device: there is "
+        "nowhere to offload activations to, so they are kept as they are (the rule behaves as 'none' there). "
+        "This warning is shown once per process.",
+        ACPolicyWarning,
+        stacklevel=4,
+    )
+
+
+def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run ``orig`` offloading its saved activations when the module is on CUDA, else as is (one warning)."""
+    device = _module_device(module, args, kwargs)
+    if device is None or device.type != "cuda":
+        _warn_offload_in_place(fqn, device)
+        return orig(*args, **kwargs)
+    with default_offloader("cuda").region(module).hooks():
+        return orig(*args, **kwargs)
+
+
 def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]]) -> Callable:
     action = row.action
     # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
@@ -142,8 +192,7 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list
         if flagged is not None:
             raise double_checkpointing_error(*flagged)
         if action == "offload":
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return orig(*args, **kwargs)
+            return _run_offloaded(module, fqn, orig, args, kwargs)
         fn = cache_safe(module, fqn, region, args, kwargs) if has_cache(args, kwargs) else region
         # keyword arguments go to the module through a partial, never to checkpoint itself: names such as
         # `debug`, `early_stop`, `function` or `context_fn` would otherwise be taken as checkpoint options

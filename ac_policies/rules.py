@@ -15,7 +15,9 @@ __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 
 # checkpoint: non-reentrant torch.utils.checkpoint with RNG state preserved.
 # selective:  op-level save/recompute through torch's selective-checkpoint policy.
-# offload:    run as is, keeping saved activations in CPU memory (torch.autograd.graph.save_on_cpu).
+# offload:    run as is; on CUDA its saved activations go to pinned host memory on a side stream in
+#             forward and come back ahead of their use in backward (ac_policies.offload); off CUDA
+#             there is nowhere to offload to: activations are kept (as 'none'), with one warning.
 # none:       leave the module alone (stops later rules from matching it).
 ACTIONS = ("checkpoint", "selective", "offload", "none")
 
