@@ -7,13 +7,16 @@
 # Steps, in order of value:
 #   1. ce: cross-entropy from logits at [16384, 128256] bf16 (targets: <= 4 ms, in-place peak <= 1 GiB)
 #   2. lce: the hidden-state loss at N=16384, H=4096, V=128256 bf16 against Liger and cut-cross-entropy
-#   3. the CUDA-only tests
+#   3. the CUDA-only tests (cross-entropy, activation offloading)
 #   4. logprobs: token log-probs and distillation at N=16384, H=4096, V=128256 bf16 against TRL's
 #      Triton kernels and Liger's fused linear JSD
 #   5. the hidden-state loss's chunk rows (512, 1024, 4096), while time is left
 #   6. dist: vocabulary-parallel losses over every GPU (2 or more GPUs only)
+#   7. ac offload: peak device memory and step time of the offload action against checkpoint and
+#      torch's save_on_cpu on 8 MLP blocks, [8192, 2048] bf16 (bench/ac_offload.py)
 # Files in OUT_DIR: log.txt (everything printed), ce/, lce/, logprobs/ (report folders: report.md,
-# report.json), ce.json, lce.json, logprobs.json, cuda_tests.txt, lce_chunks_*.json, dist.json.
+# report.json), ce.json, lce.json, logprobs.json, cuda_tests.txt, lce_chunks_*.json, dist.json,
+# ac_offload.json.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [TOTAL_SECONDS]}
 total=${2:-600}
@@ -53,7 +56,7 @@ step "1 ce [16384, 128256] bf16" 150 python -m bench --device cuda --only ce --n
 step "2 lce N=16384 H=4096 V=128256 bf16" 150 python -m bench --device cuda --only lce --no-progress \
     --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-profile --out "$out/lce" --json "$out/lce.json"
 step "3 CUDA-only tests" 90 bash -o pipefail -c "python -m pytest -q -m cuda -p no:cacheprovider tests/functional_ce/test_ce_cuda.py \
-    | tee '$out/cuda_tests.txt'"
+    tests/ac_policies/test_ac_offload.py | tee '$out/cuda_tests.txt'"
 step "4 logprobs N=16384 H=4096 V=128256 bf16" 180 python -m bench --device cuda --only logprobs --no-progress \
     --logprobs-tables logprobs,distill_hidden --logprobs-n 16384 --logprobs-h 4096 --logprobs-v 128256 \
     --logprobs-repeats 5 --out "$out/logprobs" --json "$out/logprobs.json"
@@ -72,5 +75,7 @@ else
     echo "== 6 dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
         | tee -a "$log"
 fi
+step "7 ac offload vs checkpoint vs save_on_cpu, 8 x [8192, 2048] bf16" 90 python -m bench.ac_offload \
+    --layers 8 --hidden 2048 --tokens 8192 --dtype bf16 --repeats 5 --json "$out/ac_offload.json"
 echo "== done in ${SECONDS} s (status $status)" | tee -a "$log"
 exit $status

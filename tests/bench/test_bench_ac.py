@@ -23,3 +23,11 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
     assert "step peak (MiB)" in table.columns
     assert len(shapes.rows) == 4  # the model above and three more MoE shapes, each with peak ratios
     assert all(0 < row[4] <= 1.0 for row in shapes.rows)  # non_moe peak x none
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_bench_ac_offload_refuses_without_cuda(capsys):
+    from bench import ac_offload
+
+    assert ac_offload.main(["--layers", "1"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
