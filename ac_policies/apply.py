@@ -161,18 +161,30 @@ def _warn_offload_in_place(fqn: str, device: Optional[torch.device]) -> None:
         "nowhere to offload activations to, so they are kept as they are (the rule behaves as 'none' there). "
         "This warning is shown once per process.",
         ACPolicyWarning,
-        stacklevel=4,
+        stacklevel=2,
     )
+
+
+@torch.compiler.disable
+def _warn_offload_in_place_once(fqn: str, device: Optional[torch.device]) -> None:
+    _warn_offload_in_place(fqn, device)
+
+
+@torch.compiler.disable
+def _offloaded(module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> Any:
+    """``orig(*args, **kwargs)`` under a new CUDA offload region (eager: the hooks keep Python state)."""
+    with default_offloader("cuda").region(module).hooks():
+        return orig(*args, **kwargs)
 
 
 def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``orig`` offloading its saved activations when the module is on CUDA, else as is (one warning)."""
     device = _module_device(module, args, kwargs)
     if device is None or device.type != "cuda":
-        _warn_offload_in_place(fqn, device)
+        if not _offload_warned:
+            _warn_offload_in_place_once(fqn, device)
         return orig(*args, **kwargs)
-    with default_offloader("cuda").region(module).hooks():
-        return orig(*args, **kwargs)
+    return _offloaded(module, orig, args, kwargs)
 
 
 def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]]) -> Callable:
