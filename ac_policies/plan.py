@@ -77,6 +77,7 @@ def _selective_specs(model: nn.Module, table: Policy, unmatched: list[str]) -> d
             every=rule.recompute_every,
             recompute_shapes=_matmul_shapes(model, rule.recompute_matmuls_of or (), unmatched),
             save_shapes=_matmul_shapes(model, rule.save_matmuls_of or (), unmatched),
+            copies_to_cpu_from=frozenset(rule.save_copies_to_cpu_from or ()),
         )
     return specs
 

@@ -12,13 +12,16 @@
   mixers (gated delta-net, Mamba-style) are still checkpointed: their saved chunk states are
   large and their recompute is cheap. Requires a MoE block.
 - ``op_sac``: torchtitan's op-level selective checkpointing, as data: every decoder block is
-  a selective region saving :data:`TORCHTITAN_SAVE_OPS` (``mm``, the SDPA kernels, ``max``
-  over all elements, flex attention, ``reduce_scatter_tensor`` and ``all_to_all_single``)
-  except every second ``mm`` of the region, and always recomputing the MoE router's matmul
-  (``*.mlp.gate`` and the other router names Transformers uses; not counted in the
-  alternation), as torchtitan does for ``moe.router.gate``.
-  Not reproduced: torchtitan's rule saving device-to-host ``_to_copy`` outputs (it only
-  matters when activations are offloaded from inside a region).
+  a selective region saving :data:`TORCHTITAN_SAVE_OPS` (torch's compute-intensive ops:
+  ``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, convolutions, ``upsample_bilinear2d``, the
+  flash/efficient attention kernels; the other SDPA kernels; ``max`` over all elements;
+  ``linear``; ``topk``, so routing is never rerun; flex attention and compiled regions;
+  ``reduce_scatter_tensor``, ``all_to_all_single`` and the DeepEP/HybridEP dispatch and combine
+  where installed) except every second ``mm``/``linear`` of the region; always recomputing the
+  MoE router's matmul (``*.mlp.gate`` and the other router names Transformers uses; not counted
+  in the alternation), as torchtitan does for ``moe.router.gate``; and always saving copies
+  from CUDA to the CPU. One generalisation: a router with a bias (lowered to ``addmm``) is
+  recomputed too, where torchtitan, whose routers have none, matches ``mm``/``linear`` only.
 - ``keep_router``: NeMo's MoE default: the whole block is recomputed except the router's
   output: its matmul (the router weights, ``*.mlp.gate`` / ``*.mlp.router`` and the like) and the ``topk`` routing
   decision are saved, so routing never changes between forward and recompute.
@@ -69,19 +72,38 @@ _NON_MOE_NO_ATTN = Policy(
 )
 _NONE = Policy((), name="none")
 
-# torchtitan's op-level SAC save list (torchtitan/distributed/activation_checkpoint.py, 2025),
-# written as op names: exact overloads where torchtitan lists ``.default``.
+# torchtitan's op-level SAC save set, as read in torchtitan/distributed/activation_checkpoint.py
+# (``_get_default_save_ops`` of its ``SelectiveAC`` policy class, the newest form of that file
+# found; undated): torch's compute-intensive ops (``compute_intensive_ops`` of
+# ``torch._functorch.partitioners.get_default_op_list()``, as of torch 2.13) plus its own list;
+# ``?`` marks the ops torchtitan also skips where they are not registered.
 TORCHTITAN_SAVE_OPS: tuple[str, ...] = (
     "aten.mm.default",
-    "aten._scaled_dot_product_efficient_attention.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_mm.default",
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+    "aten.upsample_bilinear2d.default",
+    "aten._flash_attention_forward.default",
+    "aten._efficient_attention_forward.default",
     "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_attention_math.default",
     "aten._scaled_dot_product_fused_attention_overrideable.default",
+    "aten.max.default",
+    "aten.linear.default",
+    "aten.topk.default",
+    "higher_order.flex_attention",
+    "higher_order.inductor_compiled_code?",
+    "torch_attn._varlen_attn.default?",
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.all_to_all_single.default",
-    "aten.max.default",
-    "higher_order.flex_attention",
+    "deepep.dispatch.default?",
+    "deepep.combine.default?",
+    "hybridep.dispatch.default?",
+    "hybridep.combine.default?",
 )
 # MoE routers as Hugging Face names them: Qwen/Mixtral/DeepSeek `mlp.gate`, GPT-OSS/JetMoE
 # `mlp.router`, DBRX `ffn.router`, Nemotron-H `mixer.gate`, older Mixtral `block_sparse_moe.gate`
@@ -92,8 +114,9 @@ _OP_SAC = Policy(
             when="decoder_block",
             action="selective",
             ops=TORCHTITAN_SAVE_OPS,
-            recompute_every={"k": 2, "ops": ["aten.mm.default"]},
+            recompute_every={"k": 2, "ops": ["aten.mm.default", "aten.linear.default"]},
             recompute_matmuls_of=_ROUTERS,
+            save_copies_to_cpu_from=("cuda",),
             on_unmatched="error",
         ),
     ),

@@ -21,8 +21,12 @@ __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 # none:       leave the module alone (stops later rules from matching it).
 ACTIONS = ("checkpoint", "selective", "offload", "none")
 
-_KEYS = ("match", "when", "action", "ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of", "on_unmatched")
-_SELECTIVE_ONLY = ("ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of")
+_KEYS = (
+    "match", "when", "action", "ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of",
+    "save_copies_to_cpu_from", "on_unmatched",
+)
+_SELECTIVE_ONLY = ("ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
+_LISTS = ("ops", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
 # what planning does when a rule matches no module of the model
 ON_UNMATCHED = ("warn", "error", "ignore")
 
@@ -41,7 +45,8 @@ class Rule:
     :data:`~ac_policies.selective.DEFAULT_SAVE_OPS`); ``recompute_every``, ``{"k": 2, "ops":
     ["mm"]}`` to recompute every k-th call of those ops; ``recompute_matmuls_of`` and
     ``save_matmuls_of``, module globs whose weights' matmuls are always recomputed or always
-    saved (resolved at plan time). ``on_unmatched``: what
+    saved (resolved at plan time); ``save_copies_to_cpu_from``, device types (``["cuda"]``) whose
+    copies to the CPU are always saved. ``on_unmatched``: what
     planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
     (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows
     covering module kinds a model may lack, such as dense MLPs in an all-MoE model).
@@ -54,6 +59,7 @@ class Rule:
     recompute_every: Optional[Every] = None
     recompute_matmuls_of: Optional[tuple[str, ...]] = None
     save_matmuls_of: Optional[tuple[str, ...]] = None
+    save_copies_to_cpu_from: Optional[tuple[str, ...]] = None
     on_unmatched: str = "warn"
 
     def __post_init__(self) -> None:
@@ -80,6 +86,13 @@ class Rule:
                 if isinstance(globs, str) or not globs or not all(isinstance(g, str) and g for g in globs):
                     raise TypeError(f"Rule.{key} must be a non-empty list of module globs like ['*.mlp.gate'], got {globs!r}")
                 object.__setattr__(self, key, tuple(globs))
+        if self.save_copies_to_cpu_from is not None:
+            kinds = self.save_copies_to_cpu_from
+            if isinstance(kinds, str) or not kinds or not all(isinstance(k, str) and k.isidentifier() for k in kinds):
+                raise TypeError(f"Rule.save_copies_to_cpu_from must be a non-empty list of device types like ['cuda'], got {kinds!r}")
+            if "cpu" in kinds:
+                raise ValueError("Rule.save_copies_to_cpu_from lists the devices copied *from*; 'cpu' is the destination")
+            object.__setattr__(self, "save_copies_to_cpu_from", tuple(kinds))
         if self.on_unmatched not in ON_UNMATCHED:
             raise ValueError(f"Rule.on_unmatched must be one of {list(ON_UNMATCHED)}, got {self.on_unmatched!r}")
 
@@ -97,7 +110,7 @@ class Rule:
         ops = f" ops={list(self.ops)}" if self.ops is not None else ""
         if self.recompute_every is not None:
             ops += f" recompute_every={self.recompute_every.to_dict()}"
-        for key in ("recompute_matmuls_of", "save_matmuls_of"):
+        for key in ("recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from"):
             if getattr(self, key) is not None:
                 ops += f" {key}={list(getattr(self, key))}"
         req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
@@ -119,7 +132,7 @@ class Rule:
             out["ops"] = list(self.ops)
         if self.recompute_every is not None:
             out["recompute_every"] = self.recompute_every.to_dict()
-        for key in ("recompute_matmuls_of", "save_matmuls_of"):
+        for key in ("recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from"):
             if getattr(self, key) is not None:
                 out[key] = list(getattr(self, key))
         if self.on_unmatched != "warn":
@@ -137,7 +150,7 @@ class Rule:
         if extra:
             raise ValueError(f"unknown rule keys {sorted(extra)}; expected some of {list(_KEYS)}")
         kw = dict(data)
-        for key in ("ops", "recompute_matmuls_of", "save_matmuls_of"):
+        for key in _LISTS:
             if isinstance(kw.get(key), list):
                 kw[key] = tuple(kw[key])
         return cls(**kw)

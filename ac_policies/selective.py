@@ -13,24 +13,30 @@ Op names, any kind a selective-checkpoint policy sees:
 - ``"aten.max.default"``: that overload only (``max`` over all elements, not ``max.dim``);
 - ``"_c10d_functional.all_to_all_single"``, ``"_c10d_functional.reduce_scatter_tensor"``:
   functional collectives (any ``torch.ops`` namespace works the same way);
-- ``"higher_order.flex_attention"``: higher-order ops (``torch.ops.higher_order``).
+- ``"higher_order.flex_attention"``: higher-order ops (``torch.ops.higher_order``);
+- ``"deepep.dispatch.default?"``: a trailing ``?`` marks an op from an optional extension or a
+  newer torch; it is saved where it is registered and skipped where it is not (looked up again
+  on each region call until found).
 
 Besides the save list, a rule can say (all plain data):
 
 - ``recompute_every = {"k": 2, "ops": ["mm"]}``: calls of these ops are counted in each region
   (forward and recompute separately) and every k-th call is recomputed even if listed;
-- ``recompute_matmuls_of = ["*.mlp.gate"]``: matmuls (``mm``, ``addmm``) whose weight operand
-  has the transposed shape of a weight of a module matching these globs are always recomputed
-  and not counted (resolved to shapes at plan time; a same-shaped weight elsewhere in the
-  region matches too, as in torchtitan, whose rule this is);
-- ``save_matmuls_of``: the same, always saved (keep the router in a recomputed block).
+- ``recompute_matmuls_of = ["*.mlp.gate"]``: matmuls (``mm``, ``addmm``, and ``linear`` where a
+  backend keeps it whole) whose weight operand is a weight of a module matching these globs
+  (compared by shape) are always recomputed and not counted (resolved to shapes at plan time; a
+  same-shaped weight elsewhere in the region matches too, as in torchtitan, whose rule this is;
+  torchtitan looks at ``mm`` and ``linear`` only, its routers having no bias);
+- ``save_matmuls_of``: the same, always saved (keep the router in a recomputed block);
+- ``save_copies_to_cpu_from = ["cuda"]``: ``aten._to_copy`` calls moving a tensor from these
+  device types to the CPU (the ``device`` keyword is ``cpu``) are always saved, ahead of every
+  other choice, so a recompute never repeats a device-to-host copy (torchtitan's rule).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import re
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -41,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 __all__ = ["DEFAULT_SAVE_OPS", "Every", "resolve_ops", "selective_context_fn", "SelectiveOps"]
 
-_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}$")
+_OP_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}\??$")
 
 # aten op names (``torch.ops.aten.<name>``); any overload of a listed op is saved.
 # ``_grouped_mm`` is left out on purpose: Hugging Face's grouped-experts path adds the bias to
@@ -59,7 +65,8 @@ DEFAULT_SAVE_OPS: tuple[str, ...] = (
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable",
 )
-_MATMULS = {"mm": 1, "addmm": 2}  # op -> index of the weight operand (``weight.t()``) in F.linear's lowering
+# op -> (index of the weight operand, whether it is the weight itself rather than ``weight.t()``)
+_MATMULS = {"mm": (1, False), "addmm": (2, False), "linear": (1, True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +99,10 @@ class Every:
 def _resolve_one(name: str) -> Any:
     if not isinstance(name, str) or not _OP_NAME.match(name):
         raise ValueError(
-            f"a selective op name looks like 'mm', 'aten.max.default', '_c10d_functional.all_to_all_single' "
-            f"or 'higher_order.flex_attention', got {name!r}"
+            f"a selective op name looks like 'mm', 'aten.max.default', '_c10d_functional.all_to_all_single', "
+            f"'higher_order.flex_attention' or, for an op that may be absent, 'deepep.dispatch.default?', got {name!r}"
         )
-    parts = name.split(".")
+    parts = name.rstrip("?").split(".")
     ns, rest = ("aten", parts) if len(parts) == 1 else (parts[0], parts[1:])
 
     def lookup() -> Any:
@@ -115,27 +122,40 @@ def _resolve_one(name: str) -> Any:
     return found
 
 
-@functools.lru_cache(maxsize=256)
+_RESOLVED: dict[tuple[str, ...], frozenset] = {}
+_FOUND: dict[str, Any] = {}
+
+
 def resolve_ops(names: tuple[str, ...]) -> frozenset:
     """Op packets, overloads or higher-order ops for ``names``.
 
-    Default op names missing from an older torch build are skipped; any other unknown name
-    raises ValueError.
+    Names ending in ``?`` and default op names missing from an older torch build are skipped;
+    any other unknown name raises ValueError. A result is cached once nothing optional is
+    missing, so an extension registering its ops later is still picked up.
     """
-    found, unknown = [], []
+    cached = _RESOLVED.get(names)
+    if cached is not None:
+        return cached
+    found, unknown, missing = [], [], False
     for name in names:
-        op = _resolve_one(name)
+        op = _FOUND.get(name) or _resolve_one(name)
         if op is not None:
+            _FOUND[name] = op
             found.append(op)
+        elif name.endswith("?"):
+            missing = True
         elif name not in DEFAULT_SAVE_OPS:  # defaults absent from older builds are fine
             unknown.append(name)
     if unknown:
         raise ValueError(
             f"unknown ops {unknown} in a selective rule (torch {torch.__version__}); use names of torch.ops: "
             "'mm' (aten), 'aten.max.default' (one overload), '_c10d_functional.all_to_all_single', "
-            "'higher_order.flex_attention'"
+            "'higher_order.flex_attention', or end a name with '?' for an op that may be absent"
         )
-    return frozenset(found)
+    ops = frozenset(found)
+    if not missing and len(_RESOLVED) < 256:
+        _RESOLVED[names] = ops
+    return ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +166,7 @@ class SelectiveOps:
     every: Optional[Every] = None
     recompute_shapes: frozenset = frozenset()
     save_shapes: frozenset = frozenset()
+    copies_to_cpu_from: frozenset = frozenset()
 
 
 def _member(op: Any, ops: frozenset) -> bool:
@@ -153,12 +174,22 @@ def _member(op: Any, ops: frozenset) -> bool:
 
 
 def _weight_shape(op: Any, args: tuple) -> Optional[tuple]:
-    """The shape of the weight operand of ``mm`` / ``addmm`` (as F.linear lowers), else None."""
+    """The transposed weight's shape, ``(in, out)``, of ``mm`` / ``addmm`` (as F.linear lowers) or
+    ``linear``, else None."""
     packet = getattr(op, "overloadpacket", None)
-    for name, index in _MATMULS.items():
+    for name, (index, whole) in _MATMULS.items():
         if packet is getattr(torch.ops.aten, name) and len(args) > index and isinstance(args[index], torch.Tensor):
-            return tuple(args[index].shape)
+            shape = tuple(args[index].shape)
+            return shape[::-1] if whole else shape
     return None
+
+
+def _copy_to_cpu(op: Any, args: tuple, kwargs: dict, sources: frozenset) -> bool:
+    """Whether ``op`` is an ``aten._to_copy`` to the CPU of a tensor on one of ``sources``."""
+    if op is not torch.ops.aten._to_copy.default or not args or "device" not in kwargs:
+        return False
+    device = getattr(args[0], "device", None)
+    return device is not None and device.type in sources and str(kwargs["device"]) == "cpu"
 
 
 def make_policy(spec: SelectiveOps) -> Callable[..., CheckpointPolicy]:
@@ -168,6 +199,8 @@ def make_policy(spec: SelectiveOps) -> Callable[..., CheckpointPolicy]:
     counts = {False: 0, True: 0}
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if spec.copies_to_cpu_from and _copy_to_cpu(op, args, kwargs, spec.copies_to_cpu_from):
+            return CheckpointPolicy.MUST_SAVE
         if spec.recompute_shapes or spec.save_shapes:
             shape = _weight_shape(op, args)
             if shape is not None and shape in spec.recompute_shapes:

@@ -1,6 +1,7 @@
 """Op-level selective checkpointing as data, checked against policies written here directly on
-torch's ``create_selective_checkpoint_contexts``: torchtitan's op SAC and NeMo's keep-the-router
-mode rerun the same ops, the same FLOPs, and keep the same bytes."""
+torch's ``create_selective_checkpoint_contexts``: torchtitan's op SAC (as in
+torchtitan/distributed/activation_checkpoint.py, ``SelectiveAC``) and NeMo's keep-the-router
+mode rerun the same ops, the same FLOPs, keep the same bytes and give the same gradients."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import ac_policies
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model
 from ac_policies.measure import kept_for_backward, recompute_flops
+from ac_policies.presets import TORCHTITAN_SAVE_OPS
 from ac_policies.selective import SelectiveOps, make_policy, resolve_ops
 
 aten = torch.ops.aten
@@ -43,36 +45,71 @@ def reruns(model, ids) -> Counter:
     return mode.ops
 
 
-# torchtitan's op SAC, written from its documented behaviour: save mm, SDPA kernels, max,
-# reduce_scatter, all_to_all and flex attention; recompute every second mm of a region; always
-# recompute (and do not count) the router gate's mm, found by the weight's transposed shape.
-def _titan_context_fn(router_shapes: set):
-    save = {
-        aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
-        aten._scaled_dot_product_attention_math.default, aten._scaled_dot_product_fused_attention_overrideable.default,
+def _titan_save_ops() -> set:
+    """torchtitan's op-SAC save set, assembled as torchtitan assembles it
+    (torchtitan/distributed/activation_checkpoint.py, ``SelectiveAC``): torch's compute-intensive
+    ops, its own list, and the ops of optional extensions where they are registered."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    save |= {
+        aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_attention_math.default,
+        aten._scaled_dot_product_fused_attention_overrideable.default, aten.max.default,
+        torch._higher_order_ops.flex_attention, aten.linear.default, aten.topk.default,
         torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default,
-        aten.max.default, torch.ops.higher_order.flex_attention,
     }
-
-    def context_fn():
-        meta = defaultdict(int)
-
-        def policy(ctx, func, *args, **kwargs):
-            key = "recompute" if ctx.is_recompute else "forward"
-            if func == aten.mm.default:
-                if tuple(args[1].shape) in router_shapes:
-                    return CheckpointPolicy.PREFER_RECOMPUTE
-                meta[key] += 1
-            keep = func in save and not (func == aten.mm.default and meta[key] % 2 == 0)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        return create_selective_checkpoint_contexts(policy)
-
-    return context_fn
+    optional = [(torch._higher_order_ops, "inductor_compiled_code"), (torch.ops, "torch_attn._varlen_attn.default")]
+    optional += [(torch.ops, f"{lib}.{op}.default") for lib in ("deepep", "hybridep") for op in ("dispatch", "combine")]
+    for obj, path in optional:
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        save.add(obj)
+    return save
 
 
-def _keep_router_context_fn(router_shapes: set):
+def _titan_router_shapes(block: torch.nn.Module, router: str = "mlp.gate") -> set:
+    """The ``(in, out)`` shapes of the block's router weights, found by module name as torchtitan
+    finds ``moe.router.gate`` (here the Transformers name of Qwen3-MoE's router)."""
+    return {(m.weight.shape[1], m.weight.shape[0]) for name, m in block.named_modules() if router in name}
+
+
+def _titan_policy(save: set, router_shapes: set):
+    """torchtitan's op-SAC policy for one region call: device-to-host copies saved; every ``mm`` /
+    ``linear`` counted (forward and recompute apart) unless its weight is the router's, which is
+    always recomputed; the save set kept except every second counted matmul."""
+    meta = defaultdict(int)
+    matmuls = (aten.mm.default, aten.linear.default)
+
+    def policy(ctx, func, *args, **kwargs):
+        if (func == aten._to_copy.default and "cuda" in str(args[0].device)
+                and "device" in kwargs and str(kwargs["device"]) == "cpu"):
+            return CheckpointPolicy.MUST_SAVE
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            shape = tuple(args[1].shape)
+            if (shape[::-1] if func == aten.linear.default else shape) in router_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            meta[key] += 1
+        if func in save:
+            if func in matmuls and meta[key] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _titan_context_fn(block: torch.nn.Module):
+    save, routers = _titan_save_ops(), _titan_router_shapes(block)
+    return lambda: create_selective_checkpoint_contexts(_titan_policy(save, routers))
+
+
+def _keep_router_context_fn(block: torch.nn.Module):
+    router_shapes = {tuple(block.mlp.gate.weight.t().shape)}
+
     def policy(ctx, func, *args, **kwargs):
         if func in (aten.mm.default,) and tuple(args[1].shape) in router_shapes:
             return CheckpointPolicy.MUST_SAVE
@@ -81,17 +118,15 @@ def _keep_router_context_fn(router_shapes: set):
     return lambda: create_selective_checkpoint_contexts(policy)
 
 
-def _by_hand(model, context_fn):
-    """Wrap every decoder layer directly with torch's checkpoint; returns an undo function."""
-    layers = list(model.model.layers)
-    for layer in layers:
-        orig = layer.forward
+def _by_hand(model, context_fn_of):
+    """Wrap every decoder layer directly with torch's checkpoint, with ``context_fn_of(layer)``."""
+    for layer in model.model.layers:
+        orig, context_fn = layer.forward, context_fn_of(layer)
 
-        def forward(*args, _orig=orig, **kwargs):
-            return checkpoint(lambda *a: _orig(*a, **kwargs), *args, use_reentrant=False, context_fn=context_fn)
+        def forward(*args, _orig=orig, _context_fn=context_fn, **kwargs):
+            return checkpoint(lambda *a: _orig(*a, **kwargs), *args, use_reentrant=False, context_fn=_context_fn)
 
         layer.forward = forward
-    return lambda: [layer.__dict__.pop("forward") for layer in layers]
 
 
 def _measure(model, ids):
@@ -105,28 +140,75 @@ def _measure(model, ids):
 @pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
 @pytest.mark.parametrize("preset, reference", [("op_sac", _titan_context_fn), ("keep_router", _keep_router_context_fn)])
 def test_presets_rerun_the_same_ops_flops_and_bytes_as_the_reference(preset, reference):
-    model = tiny_ac_model("qwen3_moe", use_cache=False)
+    """The reference policy wraps each block of one model; the preset is applied to an identical copy."""
     ids = token_batch()
+    by_hand, model = tiny_ac_model("qwen3_moe", use_cache=False), tiny_ac_model("qwen3_moe", use_cache=False)
     loss0, grads0 = loss_and_grads(model, ids)
-    gate = model.model.layers[0].mlp.gate.weight
-    undo = _by_hand(model, reference({tuple(gate.t().shape)}))
-    try:
-        want = _measure(model, ids)
-    finally:
-        undo()
+    _by_hand(by_hand, reference)
+    want = _measure(by_hand, ids)
+    loss_want, grads_want = loss_and_grads(by_hand, ids)
     with ac_policies.apply_policy(model, preset):
         got = _measure(model, ids)
         loss1, grads1 = loss_and_grads(model, ids)
-    assert got[0] == want[0]  # op for op
+    assert got[0] == want[0]  # op for op: the same ops rerun, as often
     assert got[1] == want[1] and got[2] == want[2]  # recompute FLOPs (all, router), kept bytes
     assert got[0]["aten.mm.default"] > 0  # the comparison can fail: some matmuls are rerun
+    assert got[0]["aten.topk.default"] == 0  # both presets keep the routing decision
     if preset == "op_sac":
         assert got[1][1] > 0  # the router's matmul is always recomputed
     else:
-        assert got[1][1] == 0 and got[0]["aten.topk.default"] == 0  # router output and routing kept
+        assert got[1][1] == 0  # the router output is kept
+    torch.testing.assert_close(loss1, loss_want, rtol=0, atol=0)
+    assert grads1.keys() == grads_want.keys()
+    for name in grads_want:
+        torch.testing.assert_close(grads1[name], grads_want[name], rtol=0, atol=0)  # bitwise
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
     for name in grads0:
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7)
+
+
+def test_op_sac_saves_torchtitans_ops():
+    assert resolve_ops(TORCHTITAN_SAVE_OPS) == _titan_save_ops()
+    assert "aten.topk.default" in TORCHTITAN_SAVE_OPS
+
+
+class _OnDevice:
+    """Stands in for a tensor on ``device`` where a policy only reads the device."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+
+
+@pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
+def test_op_sac_decides_as_torchtitan_call_for_call():
+    """Calls eager CPU runs never make (``linear`` left whole, copies from CUDA to the CPU) fed to
+    the preset's policy and torchtitan's: the same choice for each, forward then recompute."""
+    model = tiny_ac_model("qwen3_moe", use_cache=False)
+    block = model.model.layers[0]
+    spec = ac_policies.plan(model, "op_sac")[0].selective
+    d = model.config.hidden_size
+    x, w, router = torch.empty(3, d, device="meta"), torch.empty(d, d, device="meta"), block.mlp.gate.weight
+    calls = [
+        (aten.mm.default, (x, w), {}), (aten.mm.default, (x, router.t()), {}), (aten.linear.default, (x, w), {}),
+        (aten.linear.default, (x, router), {}), (aten.mm.default, (x, w), {}), (aten.topk.default, (x, 2), {}),
+        (aten._to_copy.default, (_OnDevice("cuda"),), {"device": torch.device("cpu")}),
+        (aten._to_copy.default, (_OnDevice("cuda"),), {"device": "cpu"}),
+        (aten._to_copy.default, (_OnDevice("cpu"),), {"device": "cpu"}),
+        (aten._to_copy.default, (_OnDevice("cuda"),), {"dtype": torch.float16}),
+        (aten.bmm.default, (x[None], w[None]), {}), (aten.addmm.default, (x[0], x, w), {}),
+        (aten.max.default, (x,), {}), (aten.max.dim, (x, 0), {}), (aten.silu.default, (x,), {}),
+        (torch.ops.higher_order.flex_attention, (), {}), (torch.ops._c10d_functional.all_to_all_single.default, (), {}),
+        (aten.linear.default, (x, w), {}), (aten.mm.default, (x, w), {}),
+    ]
+    ours, titan = make_policy(spec), _titan_policy(_titan_save_ops(), _titan_router_shapes(block))
+    for phase in (False, True):
+        got = [ours(_Ctx(phase), op, *args, **kw) for op, args, kw in calls]
+        want = [titan(_Ctx(phase), op, *args, **kw) for op, args, kw in calls]
+        assert got == want
+    assert got[1] == got[3] == CheckpointPolicy.PREFER_RECOMPUTE and got[6] == CheckpointPolicy.MUST_SAVE
+    # the one generalisation: a router with a bias (addmm) is recomputed, where torchtitan saves it
+    assert ours(_Ctx(False), aten.addmm.default, x[0], x, router.t()) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert titan(_Ctx(False), aten.addmm.default, x[0], x, router.t()) == CheckpointPolicy.MUST_SAVE
 
 
 @pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")

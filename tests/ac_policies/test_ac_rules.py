@@ -181,6 +181,10 @@ def test_python_predicates_need_a_registered_name_to_serialise():
         (dict(action="selective", recompute_every=2), TypeError, "'k': 2"),
         (dict(action="checkpoint", recompute_matmuls_of=["*.gate"]), ValueError, "selective"),
         (dict(action="selective", save_matmuls_of="*.gate"), TypeError, "list of module globs"),
+        (dict(action="selective", ops=["aten.mm.nope?", "aten.bmm.nope"]), ValueError, r"unknown ops \['aten.bmm.nope'\]"),
+        (dict(action="selective", save_copies_to_cpu_from="cuda"), TypeError, "device types"),
+        (dict(action="selective", save_copies_to_cpu_from=["cpu"]), ValueError, "destination"),
+        (dict(action="checkpoint", save_copies_to_cpu_from=["cuda"]), ValueError, "selective"),
         (dict(on_unmatched="maybe"), ValueError, "on_unmatched"),
     ],
 )
