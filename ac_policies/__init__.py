@@ -13,12 +13,16 @@ ac_policies.apply_policy(model, [{"when": "decoder_block", "action": "selective"
                                   "save_matmuls_of": ["*.mlp.gate"]}])
 ```
 
+``ac_policies.fit(model, step, "8GB")`` (or ``0.5``: half the peak without checkpointing)
+returns the table with the least recompute whose measured step peak fits the budget.
+
 Regions are entered only in training mode with gradients on; Hugging Face's own gradient
 checkpointing on top of a policy is refused; ``ac_policies.measure.step_bytes`` reports the
 step peak next to the bytes kept after forward.
 """
 
 from .apply import PolicyHandle, apply_policy
+from .fit import FitEstimate, fit
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .predicates import Predicate, all_of, any_of, inside, layers, not_, predicate, register_predicate
 from .presets import PRESETS, resolve_policy
@@ -30,6 +34,7 @@ __all__ = [
     "ACTIONS",
     "ACPolicyWarning",
     "DEFAULT_SAVE_OPS",
+    "FitEstimate",
     "PRESETS",
     "Plan",
     "PlanRow",
@@ -40,6 +45,7 @@ __all__ = [
     "all_of",
     "any_of",
     "apply_policy",
+    "fit",
     "inside",
     "layers",
     "not_",

@@ -12,6 +12,8 @@
 - :func:`flop_counter` is ``FlopCounterMode`` that also counts ``aten._grouped_mm`` (the op
   Hugging Face MoE experts run by default) and the CPU flash-attention kernels, which torch's
   counter does not know.
+- :func:`step_cost` is both in one step: the step peak and what backward recomputes (FLOPs and
+  op calls; pointwise ops have no FLOP formula, so a ``selective`` region shows in the calls).
 - :func:`recompute_flops` counts the FLOPs a backward pass spends re-running forward code:
   ops that run with grad mode on during ``backward()`` (the engine runs gradient formulas with
   grad mode off; checkpoint recomputes with it on), split by whether they run inside a chosen
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -33,7 +35,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
-__all__ = ["KeptBytes", "StepBytes", "kept_for_backward", "step_bytes", "flop_counter", "grouped_mm_flop", "recompute_flops"]
+__all__ = [
+    "KeptBytes", "StepBytes", "StepCost", "kept_for_backward", "step_bytes", "step_cost", "flop_counter",
+    "grouped_mm_flop", "recompute_flops",
+]
 
 
 def grouped_mm_flop(a_shape, b_shape, *args: Any, out_shape=None, **kwargs: Any) -> int:
@@ -87,11 +92,13 @@ class _RecomputeFlops(TorchDispatchMode):
         self.inside = 0  # depth of calls into the watched modules
         self.total = 0
         self.watched = 0
+        self.ops = 0  # recomputed op calls, FLOP formula or not
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.in_backward and torch.is_grad_enabled():
+            self.ops += 1
             formula = self.registry.get(func._overloadpacket)
             if formula is not None:
                 n = formula(*args, **kwargs, out_val=out)
@@ -144,17 +151,22 @@ class KeptBytes:
 
 
 class _Outputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op produces, except ``owned`` storage."""
+    """Weak references to the storage of every tensor an op produces, except ``owned`` storage
+    (and, with ``device_type``, storage on other devices: host copies of offloaded activations
+    do not count against a GPU's memory)."""
 
-    def __init__(self, owned: frozenset = frozenset()) -> None:
+    def __init__(self, owned: frozenset = frozenset(), device_type: Optional[str] = None) -> None:
         super().__init__()
         self.owned = owned
+        self.device_type = device_type
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and (
+                self.device_type is None or t.device.type == self.device_type
+            ):
                 st = t.untyped_storage()
                 key = st.data_ptr()
                 old = self.refs.get(key)
@@ -188,6 +200,13 @@ def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> 
     return loss, KeptBytes(live=live, saved=saved)
 
 
+def _accelerator(model: nn.Module) -> Optional[str]:
+    """The device type whose memory a step is measured on: the parameters' accelerator, or None
+    on CPU (every tensor counts)."""
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None and param.device.type != "cpu" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBytes:
     """Activation bytes of one training step: alive when forward returns, and the highest alive
@@ -200,8 +219,8 @@ class StepBytes:
 class _Live(_Outputs):
     """Bytes of op outputs alive after each op, and their maximum."""
 
-    def __init__(self, owned: set) -> None:
-        super().__init__(frozenset(owned))
+    def __init__(self, owned: set, device_type: Optional[str] = None) -> None:
+        super().__init__(frozenset(owned), device_type)
         self.peak = 0
 
     def total(self) -> int:
@@ -221,20 +240,50 @@ def step_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepByt
     Parameters, buffers and parameter gradients are excluded: gradients are allocated (zeros)
     before the step and accumulated into, so only the transient gradient outputs of backward
     ops count. Everything else an op produces (activations, what checkpointing saves or
-    recomputes, activation gradients) counts while it is alive.
+    recomputes, activation gradients) counts while it is alive; on an accelerator, only what
+    lives on it (host copies of offloaded activations do not count).
     """
+    cost = _step(model, forward, None)
+    return StepBytes(kept=cost.kept, peak=cost.peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """One training step: activation bytes kept after forward and at the step peak (as
+    :class:`StepBytes`), and what backward recomputed: FLOPs (ops with a FLOP formula) and op
+    calls (every op run with grad mode on during backward)."""
+
+    kept: int
+    peak: int
+    recompute_flops: int
+    recompute_ops: int
+
+
+def step_cost(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepCost:
+    """:func:`step_bytes` and :func:`recompute_flops` of one ``forward().backward()``, in one run
+    (parameter gradients are allocated first, as :func:`step_bytes` does)."""
+    return _step(model, forward, _RecomputeFlops())
+
+
+def _step(model: nn.Module, forward: Callable[[], torch.Tensor], counted: Optional[_RecomputeFlops]) -> StepCost:
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     owned |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    mode = _Live(owned)
-    with mode:
+    live = _Live(owned, _accelerator(model))
+    with live:
         loss = forward()
     gc.collect()
     loss_ptr = loss.untyped_storage().data_ptr()
-    kept = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key != loss_ptr)
-    with mode:
-        loss.backward()
+    kept = sum(n for key, (ref, n) in live.refs.items() if not ref.expired() and key != loss_ptr)
+    if counted is None:
+        with live:
+            loss.backward()
+    else:
+        counted.in_backward = True
+        with live, counted:
+            loss.backward()
     del loss
-    return StepBytes(kept=kept, peak=mode.peak)
+    return StepCost(kept=kept, peak=live.peak, recompute_flops=counted.total if counted else 0,
+                    recompute_ops=counted.ops if counted else 0)

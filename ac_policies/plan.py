@@ -115,12 +115,17 @@ class Plan(tuple):
         return tuple(r for r in self if r.action in WRAPPING_ACTIONS)
 
     def __str__(self) -> str:
-        header = ("module", "type", "action", "rule")
+        header: tuple[str, ...] = ("module", "type", "action", "rule")
         cells = [(r.fqn or "<root>", r.module_type, r.action, f"{r.rule_index}: {r.rule}") for r in self]
+        if self.policy.estimates:
+            header += ("measured (fit)",)
+            cells = [c + (self.policy._estimate(r.rule_index).strip(" []"),) for c, r in zip(cells, self)]
         widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
         fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
         name = self.policy.name or "custom table"
         lines = [f"plan of {name} on {self.model_type}: {len(self.wrapped)} module(s) wrapped", fmt(header)]
+        if self.policy.summary:
+            lines.insert(1, self.policy.summary)
         lines.append(fmt(["-" * w for w in widths]))
         lines += [fmt(c) for c in cells]
         lines += [f"warning: rule {i} ({self.policy.rules[i]}) matched no module" for i in self.unmatched]

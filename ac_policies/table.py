@@ -19,10 +19,15 @@ class Policy:
 
     Converts losslessly to and from a plain list of dicts (``to_dicts`` / ``from_dicts``) and
     JSON (``to_json`` / ``from_json``); YAML configs load into the same list of dicts.
+    A table made by :func:`ac_policies.fit` also carries what was measured: ``estimates`` (one
+    per rule, or None) and a ``summary`` line; they are shown by ``plan()``, not part of the
+    table's data (equality, ``to_dicts``).
     """
 
     rules: tuple[Rule, ...]
     name: Optional[str] = None
+    estimates: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
+    summary: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.rules, (str, bytes, dict)) or not isinstance(self.rules, Sequence):
@@ -60,7 +65,14 @@ class Policy:
 
     def __str__(self) -> str:
         head = f"policy {self.name!r}" if self.name else "policy"
-        return "\n".join([head] + [f"  {i}: {r}" for i, r in enumerate(self.rules)])
+        head += f" ({self.summary})" if self.summary else ""
+        return "\n".join([head] + [f"  {i}: {r}{self._estimate(i)}" for i, r in enumerate(self.rules)])
+
+    def _estimate(self, index: int) -> str:
+        if not self.estimates:
+            return ""
+        e = self.estimates[index] if index < len(self.estimates) else None
+        return f"  [{e}]" if e is not None else "  [measured with the rule above]"
 
 
 PolicyLike = Union[str, bool, Policy, Sequence[Union[Rule, dict]], None]

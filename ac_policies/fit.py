@@ -1,0 +1,371 @@
+"""``fit(model, step, budget)``: the table that fits a training step into a memory budget with the
+least recompute, measured, as an ordinary :class:`~ac_policies.table.Policy`.
+
+How it chooses (a knapsack over decoder blocks and their submodules):
+
+1. **Measure once without checkpointing**: the step peak (``measure.step_bytes(...).peak``,
+   forward plus backward). A budget given as a fraction is a fraction of this peak.
+2. **Measure each choice on one block**: blocks of the same structure (class, children, parameter
+   shapes) share their measurements; for one block of each kind, every choice is applied alone
+   and measured in one step (``measure.step_cost``): the peak it saves and what backward
+   recomputes, FLOPs first, then op calls (pointwise ops have no FLOPs, and a ``selective``
+   region recomputes only those). The choices are the block itself under each of ``actions``, and
+   its large children (attention, MLP or MoE block, mixers: 5% of the block's parameters or more)
+   one at a time and in pairs, under each of ``actions``. Choices that save nothing, or save no
+   more than a cheaper one, are dropped.
+3. **Solve**: savings add up over blocks (each block's activations are kept independently until
+   backward reaches it); a dynamic programme over the blocks and their savings (in 1/2000ths of
+   the peak) gives, for every total saving, the cheapest assignment of one choice per block. The
+   assignments that no cheaper one out-saves form a frontier, cheapest first. Tables that give
+   each block a single action (the same programme with block-level choices only) join it, so the
+   result never recomputes more than the best of those that meets the budget.
+4. **Verify**: frontier entries whose predicted peak is within the budget (with a margin for the
+   recompute's own transient, which the sum does not see) are applied and measured, cheapest
+   first; the first whose measured peak is within the budget is returned. The candidates grow with
+   the budget and are tried in cost order, so the recompute never grows with the budget.
+
+The model is left as it was found: no policy, no hooks, its ``.grad`` tensors and RNG state as
+before (every measurement runs the step from the same RNG state, and gradients are restored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import re
+import warnings
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .apply import apply_policy, applied_row
+from .measure import StepCost, step_cost
+from .plan import ACPolicyWarning, plan
+from .rules import ACTIONS, Rule
+from .table import Policy
+
+__all__ = ["fit", "parse_budget", "FitEstimate"]
+
+logger = logging.getLogger(__name__)
+
+Budget = Union[int, float, str]
+#: Fraction of a block's parameters from which a child is a choice of its own.
+_LARGE_CHILD = 0.05
+#: Resolution of the dynamic programme: savings in 1/_BUCKETS of the unconstrained peak.
+_BUCKETS = 2000
+#: Predicted peaks may undershoot by the recompute transient: try entries predicted up to this far over.
+_MARGIN = 0.10
+#: At most this many candidate tables are measured per fit.
+_MAX_VERIFIED = 24
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET_TEXT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class FitEstimate:
+    """What a fitted rule was measured to do: activation bytes it saves at the step peak, and the
+    FLOPs and op calls backward spends recomputing it, measured on one block of its kind; ``joint`` > 1 when
+    the rule was measured together with the next ``joint - 1`` rules (one choice for a block)."""
+
+    saved_bytes: int
+    recompute_flops: int
+    recompute_ops: int = 0
+    joint: int = 1
+
+    def __str__(self) -> str:
+        text = (f"saves {self.saved_bytes / 2**20:.2f} MiB, recomputes {self.recompute_flops / 1e6:.1f} MFLOP "
+                f"in {self.recompute_ops} op calls")
+        return text + (f" (with the next {self.joint - 1} rule(s))" if self.joint > 1 else "")
+
+
+def parse_budget(budget: Budget, unconstrained_peak: int) -> int:
+    """A budget in bytes: an int (bytes), a string with a unit (``"512MiB"``, ``"8GB"``), or a
+    float in (0, 1] (that fraction of ``unconstrained_peak``). Raises ``ValueError`` otherwise."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be bytes, a size such as '8GB', or a fraction in (0, 1], got {budget!r}")
+    if isinstance(budget, float):
+        if not (0.0 < budget <= 1.0) or math.isnan(budget):
+            raise ValueError(
+                f"a fractional budget must be in (0, 1] (a share of the peak without checkpointing), got {budget!r}; "
+                "give bytes as an int or a string such as '8GB'"
+            )
+        return int(budget * unconstrained_peak)
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget}")
+        return budget
+    if isinstance(budget, str):
+        found = _BUDGET_TEXT.match(budget)
+        unit = found.group(2).lower() if found else ""
+        if found is None or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read budget {budget!r}; write a number and a unit such as '512MiB', '8GB' or '1.5GiB'"
+            )
+        value = float(found.group(1)) * _UNITS[unit]
+        if value < 1:
+            raise ValueError(f"budget must be a positive size, got {budget!r}")
+        return int(value)
+    raise ValueError(f"budget must be bytes, a size such as '8GB', or a fraction in (0, 1], got {type(budget).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """One way to treat a block: ``(path relative to the block, action)`` pairs ('' = the block)."""
+
+    parts: tuple[tuple[str, str], ...]
+
+    @property
+    def block_level(self) -> bool:
+        return len(self.parts) == 1 and self.parts[0][0] == ""
+
+    def rules(self, block: str) -> list[Rule]:
+        return [Rule(match=f"{block}.{path}" if path else block, action=action) for path, action in self.parts]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """A measured choice: bytes it saves at the step peak; its recompute cost (FLOPs, op calls)."""
+
+    choice: _Choice
+    saved: int
+    cost: tuple[int, int]
+
+
+class _Session:
+    """Measurements of one model and step, each from the same RNG state, with the model's
+    gradients put aside (and given back by :meth:`close`)."""
+
+    def __init__(self, model: nn.Module, step: Callable[[], torch.Tensor]) -> None:
+        self.model, self.step = model, step
+        self.grads = {p: p.grad for p in model.parameters()}
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.costs: dict[tuple[Rule, ...], StepCost] = {}
+
+    def _reset(self) -> None:
+        for p in self.grads:
+            p.grad = None
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def _under(self, rules: Sequence[Rule], run: Callable[[], Any]) -> Any:
+        self._reset()
+        handle = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ACPolicyWarning)  # MoE recompute notes: the caller's plan says them
+            if rules:
+                handle = apply_policy(self.model, Policy(tuple(rules)))
+        try:
+            return run()
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def cost(self, rules: Sequence[Rule]) -> StepCost:
+        """The measured step (peak, recompute) under a table of ``rules`` (cached)."""
+        key = tuple(rules)
+        if key not in self.costs:
+            self.costs[key] = self._under(rules, lambda: step_cost(self.model, self.step))
+        return self.costs[key]
+
+    def peak(self, rules: Sequence[Rule]) -> int:
+        return self.cost(rules).peak
+
+    def close(self) -> None:
+        self._reset()
+        for p, g in self.grads.items():
+            p.grad = g
+        torch.set_rng_state(self.cpu_rng)
+
+
+def _check_actions(actions: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(actions, str):
+        actions = (actions,)
+    out = []
+    for a in actions:
+        name = a.strip().lower() if isinstance(a, str) else a
+        if name not in ACTIONS:
+            raise ValueError(f"unknown action {a!r} for fit(); choose among {list(ACTIONS)}")
+        if name not in out:
+            out.append(name)
+    wrapping = [a for a in out if a != "none"]
+    if not wrapping:
+        raise ValueError(f"fit() needs at least one action that saves memory among {list(ACTIONS)}, got {list(out)}")
+    return tuple(wrapping)
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ACPolicyWarning)
+        rows = plan(model, Policy((Rule(when="decoder_block", action="checkpoint", on_unmatched="ignore"),)))
+    return [r.fqn for r in rows]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _kind(block: nn.Module) -> tuple:
+    """Blocks of one kind share measurements: class, children and parameter shapes."""
+    return (type(block).__qualname__,
+            tuple((n, type(c).__qualname__) for n, c in block.named_children()),
+            tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+
+
+def _choices(block: nn.Module, actions: tuple[str, ...]) -> list[_Choice]:
+    total = max(_numel(block), 1)
+    large = [n for n, c in block.named_children() if _numel(c) >= _LARGE_CHILD * total]
+    groups = [(n,) for n in large] + list(itertools.combinations(large, 2))
+    choices = [_Choice((("", a),)) for a in actions]
+    choices += [_Choice(tuple((n, a) for n in group)) for a in actions for group in groups]
+    return choices
+
+
+def _useful(options: list[_Option]) -> list[_Option]:
+    """Options that save something, without one that saves at least as much for no more FLOPs."""
+    kept = []
+    for o in sorted(options, key=lambda o: (o.cost, -o.saved)):
+        if o.saved > 0 and all(o.saved > k.saved for k in kept):
+            kept.append(o)
+    return kept
+
+
+Cost = tuple[int, int]  # (recompute FLOPs, recompute op calls), compared in that order
+
+
+def _frontier(per_block: list[list[_Option]], quantum: int) -> list[tuple[Cost, int, tuple[Optional[_Option], ...]]]:
+    """``(cost, saved, one option or None per block)`` on the cost/saving frontier, cheapest first."""
+    states: dict[int, tuple[Cost, int, tuple]] = {0: ((0, 0), 0, ())}  # bucket -> (cost, saved, picks)
+    for options in per_block:
+        nxt: dict[int, tuple[Cost, int, tuple]] = {}
+        for cost, saved, picks in states.values():
+            for o in [None, *options]:
+                c = (cost[0] + o.cost[0], cost[1] + o.cost[1]) if o else cost
+                s = saved + (o.saved if o else 0)
+                key = s // quantum
+                if key not in nxt or (c, -s) < (nxt[key][0], -nxt[key][1]):
+                    nxt[key] = (c, s, picks + (o,))
+        states = nxt
+    front, best = [], -1
+    for cost, saved, picks in sorted(states.values(), key=lambda x: (x[0], -x[1])):
+        if saved > best:
+            front.append((cost, saved, picks))
+            best = saved
+    return front
+
+
+def _rules(blocks: list[str], picks: tuple[Optional[_Option], ...]) -> list[Rule]:
+    return [rule for fqn, o in zip(blocks, picks) if o is not None for rule in o.choice.rules(fqn)]
+
+
+def fit(
+    model: nn.Module,
+    step: Callable[[], torch.Tensor],
+    budget: Budget,
+    *,
+    actions: Iterable[str] = ("none", "selective", "checkpoint"),
+) -> Policy:
+    """The policy with the least recompute whose measured step peak is within ``budget``.
+
+    Args:
+        model: a model in training mode without a policy applied (decoder blocks found by
+            structure, as the presets find them).
+        step: what ``measure.step_bytes`` takes: a zero-argument callable that runs the forward
+            and returns the loss (a scalar tensor); ``fit`` runs the backward.
+        budget: the step peak of activation bytes to fit in (``measure.step_bytes(...).peak``):
+            bytes (int), a size (``"512MiB"``, ``"8GB"``) or a fraction in (0, 1] of the peak
+            without checkpointing.
+        actions: what a block or submodule may get (``"none"`` is always allowed).
+
+    Returns:
+        A :class:`Policy` named ``fit(...)``: one rule per checkpointed module (exact names), each
+        with its :class:`FitEstimate` (``Policy.estimates``; ``print(plan(model, policy))`` shows
+        them), and ``Policy.summary`` with the measured and predicted peaks. At a budget the
+        model already meets, an empty table (nothing recomputed).
+
+    Raises:
+        ValueError: a budget that is not a positive size or a fraction in (0, 1]; an unknown
+        action; a model in eval mode, with a policy applied, or without decoder blocks; a
+        budget below the smallest peak the choices reach (the message names that peak).
+    """
+    wrapping = _check_actions(actions)
+    if not model.training:
+        raise ValueError("fit() measures training steps: put the model in training mode (model.train()) first")
+    if any(applied_row(m) is not None for m in model.modules()):
+        raise ValueError("fit() needs a model without a policy applied: call handle.remove() on it first")
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(f"fit() found no decoder blocks in {type(model).__name__} to checkpoint")
+    session = _Session(model, step)
+    try:
+        return _fit(session, blocks, budget, wrapping)
+    finally:
+        session.close()
+
+
+def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[str, ...]) -> Policy:
+    model = session.model
+    peak0 = session.peak([])
+    limit = parse_budget(budget, peak0)
+    name = f"fit({budget!r})"
+    if peak0 <= limit:
+        return Policy((), name=name, summary=f"measured peak {_mib(peak0)} without checkpointing, within {_mib(limit)}")
+    measured: dict[tuple, list[_Option]] = {}
+    per_block = []
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        kind = _kind(block)
+        if kind not in measured:
+            options = []
+            for choice in _choices(block, actions):
+                measured_cost = session.cost(choice.rules(fqn))
+                options.append(_Option(choice, peak0 - measured_cost.peak,
+                                       (measured_cost.recompute_flops, measured_cost.recompute_ops)))
+            measured[kind] = _useful(options)
+            logger.info("fit: %s (%d choices measured, %d useful)", fqn, len(options), len(measured[kind]))
+        per_block.append(measured[kind])
+    quantum = max(1, peak0 // _BUCKETS)
+    front = _frontier(per_block, quantum)
+    block_level = _frontier([[o for o in opts if o.choice.block_level] for opts in per_block], quantum)
+    candidates: dict[tuple[Rule, ...], tuple[Cost, int, tuple]] = {}
+    for cost, saved, picks in [*front, *block_level]:
+        candidates.setdefault(tuple(_rules(blocks, picks)), (cost, saved, picks))
+    ordered = sorted(candidates.items(), key=lambda x: (x[1][0], -x[1][1]))
+    most = max(ordered, key=lambda x: (x[1][1], [-c for c in x[1][0]]))
+    lowest = session.peak(list(most[0]))
+    if lowest > limit:
+        raise ValueError(
+            f"budget {_mib(limit)} is below the smallest step peak the choices reach: {_mib(lowest)} "
+            f"(measured; {_mib(peak0)} without checkpointing, actions {list(actions)}). "
+            f"Fix: a budget of at least {lowest} bytes, or more actions"
+        )
+    chosen, verified = most, 0
+    for entry in ordered:
+        rules, (_, saved, _) = entry
+        if peak0 - saved > limit * (1 + _MARGIN) or verified >= _MAX_VERIFIED:
+            continue
+        verified += 1
+        if session.peak(list(rules)) <= limit:
+            chosen = entry
+            break
+    rules, ((flops, ops), saved, picks) = chosen
+    estimates = tuple(
+        FitEstimate(o.saved, o.cost[0], o.cost[1], joint=len(o.choice.parts)) if i == 0 else None
+        for o in picks if o is not None for i in range(len(o.choice.parts))
+    )
+    peak = session.peak(list(rules))
+    summary = (f"measured peak {_mib(peak)} within {_mib(limit)} ({peak / peak0:.2f}x the {_mib(peak0)} without "
+               f"checkpointing; predicted {_mib(peak0 - saved)}), recomputing {flops / 1e6:.1f} MFLOP in {ops} op calls "
+               f"({verified} table(s) verified)")
+    logger.info("fit: %s", summary)
+    return Policy(rules, name=name, estimates=estimates, summary=summary)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
