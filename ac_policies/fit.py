@@ -14,7 +14,7 @@ How it chooses (a knapsack over decoder blocks and their submodules):
    one at a time and in pairs, under each of ``actions``. Choices that save nothing, or save no
    more than a cheaper one, are dropped.
 3. **Solve**: savings add up over blocks (each block's activations are kept independently until
-   backward reaches it); a dynamic programme over the blocks and their savings (in 1/2000ths of
+   backward reaches it); a dynamic programme over the blocks and their savings (in 1/256ths of
    the peak) gives, for every total saving, the cheapest assignment of one choice per block. The
    assignments that no cheaper one out-saves form a frontier, cheapest first. Tables that give
    each block a single action (the same programme with block-level choices only) join it, so the
@@ -54,12 +54,12 @@ logger = logging.getLogger(__name__)
 Budget = Union[int, float, str]
 #: Fraction of a block's parameters from which a child is a choice of its own.
 _LARGE_CHILD = 0.05
-#: Resolution of the dynamic programme: savings in 1/_BUCKETS of the unconstrained peak.
-_BUCKETS = 2000
+#: Resolution of the dynamic programme: savings in 1/_BUCKETS of the peak without checkpointing.
+_BUCKETS = 256
 #: Predicted peaks may undershoot by the recompute transient: try entries predicted up to this far over.
 _MARGIN = 0.10
 #: At most this many candidate tables are measured per fit.
-_MAX_VERIFIED = 24
+_MAX_VERIFIED = 48
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -330,41 +330,93 @@ def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[st
             measured[kind] = _useful(options)
             logger.info("fit: %s (%d choices measured, %d useful)", fqn, len(options), len(measured[kind]))
         per_block.append(measured[kind])
-    quantum = max(1, peak0 // _BUCKETS)
-    front = _frontier(per_block, quantum)
-    block_level = _frontier([[o for o in opts if o.choice.block_level] for opts in per_block], quantum)
-    candidates: dict[tuple[Rule, ...], tuple[Cost, int, tuple]] = {}
-    for cost, saved, picks in [*front, *block_level]:
-        candidates.setdefault(tuple(_rules(blocks, picks)), (cost, saved, picks))
-    ordered = sorted(candidates.items(), key=lambda x: (x[1][0], -x[1][1]))
-    most = max(ordered, key=lambda x: (x[1][1], [-c for c in x[1][0]]))
-    lowest = session.peak(list(most[0]))
-    if lowest > limit:
+    candidates = _candidates(blocks, per_block, peak0)
+    chosen, verified = _select(candidates, peak0, limit, lambda c: session.peak(list(c.rules)))
+    if chosen is None:
+        lowest = session.peak(list(candidates[-1].rules))
         raise ValueError(
             f"budget {_mib(limit)} is below the smallest step peak the choices reach: {_mib(lowest)} "
             f"(measured; {_mib(peak0)} without checkpointing, actions {list(actions)}). "
             f"Fix: a budget of at least {lowest} bytes, or more actions"
         )
-    chosen, verified = most, 0
-    for entry in ordered:
-        rules, (_, saved, _) = entry
-        if peak0 - saved > limit * (1 + _MARGIN) or verified >= _MAX_VERIFIED:
-            continue
-        verified += 1
-        if session.peak(list(rules)) <= limit:
-            chosen = entry
-            break
-    rules, ((flops, ops), saved, picks) = chosen
+    (flops, ops), saved = chosen.cost, chosen.saved
     estimates = tuple(
         FitEstimate(o.saved, o.cost[0], o.cost[1], joint=len(o.choice.parts)) if i == 0 else None
-        for o in picks if o is not None for i in range(len(o.choice.parts))
+        for o in chosen.picks if o is not None for i in range(len(o.choice.parts))
     )
-    peak = session.peak(list(rules))
+    peak = session.peak(list(chosen.rules))
     summary = (f"measured peak {_mib(peak)} within {_mib(limit)} ({peak / peak0:.2f}x the {_mib(peak0)} without "
                f"checkpointing; predicted {_mib(peak0 - saved)}), recomputing {flops / 1e6:.1f} MFLOP in {ops} op calls "
                f"({verified} table(s) verified)")
     logger.info("fit: %s", summary)
-    return Policy(rules, name=name, estimates=estimates, summary=summary)
+    return Policy(chosen.rules, name=name, estimates=estimates, summary=summary)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """A whole table: its rules, predicted recompute cost and saving, and the option per block."""
+
+    rules: tuple[Rule, ...]
+    cost: Cost
+    saved: int
+    picks: tuple[Optional[_Option], ...]
+
+
+def _candidates(blocks: list[str], per_block: list[list[_Option]], peak0: int) -> list[_Candidate]:
+    """The frontier of mixed tables and that of block-level tables, cheapest first (the one that
+    saves the most last)."""
+    quantum = max(1, peak0 // _BUCKETS)
+    front = _frontier(per_block, quantum)
+    block_level = _frontier([[o for o in opts if o.choice.block_level] for opts in per_block], quantum)
+    found: dict[tuple[Rule, ...], _Candidate] = {}
+    for cost, saved, picks in [*front, *block_level]:
+        picks = _earliest_first(per_block, picks)
+        rules = tuple(_rules(blocks, picks))
+        found.setdefault(rules, _Candidate(rules, cost, saved, picks))
+    ordered = sorted(found.values(), key=lambda c: (c.cost, -c.saved))
+    most = max(ordered, key=lambda c: (c.saved, [-x for x in c.cost]))
+    return [c for c in ordered if c is not most] + [most]
+
+
+def _earliest_first(per_block: list[list[_Option]], picks: tuple[Optional[_Option], ...]) -> tuple[Optional[_Option], ...]:
+    """``picks`` rearranged among blocks of one kind (same options) so that earlier blocks get the
+    choices that save more. Costs and predicted savings do not change; the measured peak does:
+    backward recomputes a late block while the activations of every earlier block are still held,
+    so the saving belongs early and the blocks left whole belong last."""
+    out = list(picks)
+    kinds: dict[int, list[int]] = {}
+    for i, options in enumerate(per_block):
+        kinds.setdefault(id(options), []).append(i)
+    for positions in kinds.values():
+        ranked = sorted((out[i] for i in positions), key=lambda o: -(o.saved if o else 0))
+        for i, o in zip(positions, ranked):
+            out[i] = o
+    return tuple(out)
+
+
+def _select(candidates: list[_Candidate], peak0: int, limit: int,
+            peak_of: Callable[[_Candidate], int]) -> tuple[Optional[_Candidate], int]:
+    """The cheapest candidate whose measured peak (``peak_of``) is within ``limit``, and how many
+    were measured; None when even the one that saves the most (the last) is over the limit.
+
+    Candidates predicted (``peak0 - saved``) more than :data:`_MARGIN` over the limit are not
+    measured. That set only grows with the limit, and candidates are tried cheapest first, so a
+    larger limit never gives a costlier table (up to :data:`_MAX_VERIFIED` measurements, after
+    which the one that saves the most is taken).
+    """
+    most = candidates[-1]
+    if peak_of(most) > limit:
+        return None, 1
+    verified = 1
+    for candidate in candidates[:-1]:
+        if peak0 - candidate.saved > limit * (1 + _MARGIN):
+            continue
+        if verified > _MAX_VERIFIED:
+            break
+        verified += 1
+        if peak_of(candidate) <= limit:
+            return candidate, verified
+    return most, verified
 
 
 def _mib(n: int) -> str:

@@ -272,9 +272,13 @@ def _step(model: nn.Module, forward: Callable[[], torch.Tensor], counted: Option
     owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     owned |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     live = _Live(owned, _accelerator(model))
-    with live:
-        loss = forward()
-    gc.collect()
+    gc.freeze()  # the collection after forward then scans only what forward made (fast in a large process)
+    try:
+        with live:
+            loss = forward()
+        gc.collect()
+    finally:
+        gc.unfreeze()
     loss_ptr = loss.untyped_storage().data_ptr()
     kept = sum(n for key, (ref, n) in live.refs.items() if not ref.expired() and key != loss_ptr)
     if counted is None:
