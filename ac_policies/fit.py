@@ -52,6 +52,8 @@ __all__ = ["fit", "parse_budget", "FitEstimate"]
 logger = logging.getLogger(__name__)
 
 Budget = Union[int, float, str]
+#: A recompute cost: (FLOPs, op calls), compared in that order.
+Cost = tuple[int, int]
 #: Fraction of a block's parameters from which a child is a choice of its own.
 _LARGE_CHILD = 0.05
 #: Resolution of the dynamic programme: savings in 1/_BUCKETS of the peak without checkpointing.
@@ -133,7 +135,7 @@ class _Option:
 
     choice: _Choice
     saved: int
-    cost: tuple[int, int]
+    cost: Cost
 
 
 class _Session:
@@ -178,10 +180,10 @@ class _Session:
         return self.cost(rules).peak
 
     def close(self) -> None:
+        """Give the model its gradients and the RNG state back."""
         self._reset()
         for p, g in self.grads.items():
             p.grad = g
-        torch.set_rng_state(self.cpu_rng)
 
 
 def _check_actions(actions: Iterable[str]) -> tuple[str, ...]:
@@ -234,9 +236,6 @@ def _useful(options: list[_Option]) -> list[_Option]:
         if o.saved > 0 and all(o.saved > k.saved for k in kept):
             kept.append(o)
     return kept
-
-
-Cost = tuple[int, int]  # (recompute FLOPs, recompute op calls), compared in that order
 
 
 def _frontier(per_block: list[list[_Option]], quantum: int) -> list[tuple[Cost, int, tuple[Optional[_Option], ...]]]:
