@@ -126,16 +126,16 @@ class _Timeline(_Live):
     def __init__(self, owned: set, device_type: Optional[str] = None) -> None:
         super().__init__(owned, device_type)
         self.totals: list[int] = []
-        self.spans: dict[int, list[int]] = {}  # storage key -> [first op, last op, bytes] of its current life
+        self.spans: dict[int, list[Any]] = {}  # storage key -> [first op, last op, bytes, weak ref] of its current life
         self.excluded: list[list[int]] = []  # spans left out of :meth:`peak_without`
 
     def total(self) -> int:
         n = super().total()
         i = len(self.totals)
-        for key, (_, size) in self.refs.items():
+        for key, (ref, size) in self.refs.items():
             span = self.spans.get(key)
-            if span is None or span[1] < i - 1:  # a new storage at a reused address
-                self.spans[key] = span = [i, i, size]
+            if span is None or span[3] is not ref:  # a new storage at a reused address
+                self.spans[key] = span = [i, i, size, ref]
             span[1] = i
         self.totals.append(n)
         return n
@@ -143,13 +143,13 @@ class _Timeline(_Live):
     def exclude(self, tensor: torch.Tensor) -> None:
         """Leave ``tensor``'s storage (alive now) out of :meth:`peak_without`."""
         span = self.spans.get(tensor.untyped_storage().data_ptr())
-        if span is not None and span not in self.excluded:
+        if span is not None and all(span is not s for s in self.excluded):
             self.excluded.append(span)
 
     def peak_without(self) -> int:
         """The peak with the excluded storages' bytes taken off every op they were alive across."""
         diff = [0] * (len(self.totals) + 1)
-        for first, last, size in self.excluded:
+        for first, last, size, _ in self.excluded:
             diff[first] += size
             diff[last + 1] -= size
         out, running = 0, 0
