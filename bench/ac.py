@@ -4,6 +4,9 @@ For every preset, side by side with no checkpointing in the same run: activation
 for backward (storages still referenced after forward, and bytes packed by saved-tensor
 hooks), the step peak (most activation bytes alive at once over forward plus backward), recompute FLOPs (``FlopCounterMode`` over forward+backward, minus the same count
 without checkpointing) with the MoE blocks' share, and the median step time.
+
+Then :mod:`bench.ac_budgets`: ``ac_policies.fit`` at 0.5 / 0.7 / 0.9 of the step peak next to
+the presets and to ``torch.compile``'s ``activation_memory_budget``, on a dense and a MoE model.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import ac_policies
 from ac_policies.measure import kept_for_backward, recompute_flops, step_bytes
 
+from . import ac_budgets
 from .measure import spread_of
 from .modes import override, pick
 from .report import Section, Table, ratio
@@ -50,6 +54,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="stop timing after this many seconds once every preset has 2 steps (default 4, --full 8)")
     group.add_argument("--ac-sensitivity", choices=["on", "off"],
                        help="the table of other MoE shapes (default off, --full on)")
+    ac_budgets.add_arguments(group)
 
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
@@ -60,9 +65,10 @@ def _resolved(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def count(args: argparse.Namespace) -> int:
-    """Progress steps: each preset measured, then timed each round, then the other shapes."""
+    """Progress steps: each preset measured, then timed each round, then the other shapes, then the
+    budget tables (:mod:`bench.ac_budgets`)."""
     a = _resolved(args)
-    return len(VARIANTS) * (1 + a.ac_repeats) + (3 if a.ac_sensitivity == "on" else 0)
+    return len(VARIANTS) * (1 + a.ac_repeats) + (3 if a.ac_sensitivity == "on" else 0) + ac_budgets.count(args)
 
 
 def model_config(seq: int, layers: int, **overrides: Any) -> dict[str, Any]:
@@ -248,7 +254,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                                    "non_moe_peak_x": r[4], "moe_selective_kept_x": r[5], "moe_selective_peak_x": r[6]}
                             for r in sens},
             "moe_selective_table": MOE_SELECTIVE_TABLE}
-    return Section(name="ac: activation-checkpointing policies", tables=[table, table2], data=data)
+    budget_tables, data["budgets"] = ac_budgets.run(args, tick)
+    return Section(name="ac: activation-checkpointing policies", tables=[table, table2, *budget_tables], data=data)
 
 
 def plot(section: Section, out_dir) -> list:

@@ -13,7 +13,7 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
     from bench import ac
 
     args = argparse.Namespace(ac_seq=32, ac_layers=1, ac_repeats=1, ac_time_budget=0.0, ac_sensitivity="on",
-                              device="cpu")
+                              ac_budgets="off", device="cpu")
     section = ac.run(args, tick=lambda msg: None)
     results = section.data["results"]
     for name, r in results.items():
@@ -23,6 +23,43 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
     assert "step peak (MiB)" in table.columns
     assert len(shapes.rows) == 4  # the model above and three more MoE shapes, each with peak ratios
     assert all(0 < row[4] <= 1.0 for row in shapes.rows)  # non_moe peak x none
+
+
+@pytest.mark.slow  # fit() three times and four compiles per model: about a minute on 2 cores
+@pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
+def test_bench_ac_budget_tables_fit_within_budget():
+    from bench import ac_budgets
+
+    args = argparse.Namespace(ac_budgets_seq=32, ac_budgets_layers=2, device="cpu")
+    tables, data = ac_budgets.run(args, tick=lambda msg: None)
+    assert [t.title.split(": ")[-1].split(" (")[0] for t in tables] == ["dense Llama", "Qwen3-MoE"]
+    for table, kind in zip(tables, ("dense", "moe")):
+        names = [row[0] for row in table.rows]
+        presets = ["full", "selective"] + (["non_moe"] if kind == "moe" else [])
+        budgets = [f"fit({b})" for b in ac_budgets.BUDGETS]
+        compiled = [f"torch.compile budget={b}" for b in (1.0, *ac_budgets.BUDGETS)]
+        assert names == ["none", *presets, *budgets, *compiled]
+        col = {c: i for i, c in enumerate(table.columns)}
+        none = table.rows[0]
+        assert none[col["x none"]] == 1 and none[col["recompute (GFLOP)"]] == 0
+        for row in table.rows:
+            if row[0].startswith("fit("):
+                # a fit row either meets its budget or says fit() refused it
+                if row[col["status"]] == "ok":
+                    assert row[col["within budget"]] == "yes", row
+                    assert row[col["step peak (MiB)"]] <= row[col["budget (MiB)"]], row
+                else:
+                    assert row[col["status"]].startswith("refused: "), row
+            if row[0].startswith("torch.compile"):
+                assert row[col["status"]] == "ok", row
+                assert row[col["recompute (GFLOP)"]] >= 0, row
+        fitted = data["models"][kind]
+        assert any(r["status"] == "ok" for k, r in fitted.items() if k.startswith("fit(")), kind
+        # bytes are counted only inside the compiled graphs: a step Dynamo ran eagerly would show 0
+        base = fitted["torch.compile budget=1.0"]
+        assert base["peak"] > 0
+        # the compiled backward's FLOPs (MoE experts' custom op included) are eager's at budget 1.0
+        assert base["backward_flops"] == pytest.approx(fitted["none"]["backward_flops"], rel=0.05)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a CUDA device")
