@@ -180,7 +180,8 @@ def test_default_run_every_section_end_to_end_at_tiny_shapes(tmp_path, monkeypat
     assert main(argv) == 0
     payload = json.loads((tmp_path / "run" / "report.json").read_text())
     assert list(payload["sections"]) == ["ce", "lce", "logprobs", "dist", "packing", "ac", "summary"]
-    peers_missing = ("not installed", "CUDA only")
+    # a peer that is absent, or fit() refusing a budget below what any table reaches at this shape
+    peers_missing = ("not installed", "CUDA only", "refused: lowest peak")
     for name, section in payload["sections"].items():
         for table in section["tables"]:
             if table["columns"][-1] != "status":
