@@ -43,6 +43,8 @@ from .masks import (
 )
 
 __all__ = [
+    "CACHE_CAPACITY",
+    "cache_capacity_probe",
     "mask_builder_probe",
     "build_mask_builder",
     "same_function_probe",
@@ -191,14 +193,34 @@ def _empty_cache(cache: Any) -> bool:
     return isinstance(length, int) and length == 0
 
 
-def _max_cache_length(cache: Any) -> Optional[int]:
-    """A static cache's capacity (its masks may be longer than the 2D mask), else None."""
-    get = getattr(cache, "get_max_cache_shape", None)
-    try:
-        value = get() if callable(get) else None
-    except Exception:  # noqa: BLE001 - dynamic caches may not define a capacity
+#: How each supported release names a cache's capacity (the most any layer holds; -1 or None:
+#: unbounded): ``get_max_length`` in recent releases, ``get_max_cache_shape`` in older ones.
+CACHE_CAPACITY = ("get_max_length", "get_max_cache_shape")
+
+
+def cache_capacity_probe(cache_class: Any) -> Optional[str]:
+    """Probe: the cache class answers one of :data:`CACHE_CAPACITY` (what a static cache's masks
+    are sized by; without it, indexed masks could not be padded to a static cache's length)."""
+    if any(callable(getattr(cache_class, name, None)) for name in CACHE_CAPACITY):
         return None
-    return int(value) if isinstance(value, int) and value > 0 else None
+    return f"{getattr(cache_class, '__name__', cache_class)} has none of {list(CACHE_CAPACITY)}"
+
+
+def _max_cache_length(cache: Any) -> Optional[int]:
+    """A cache's capacity when bounded (a static cache's masks are that long, longer than the 2D
+    mask), else None; read through :data:`CACHE_CAPACITY`, the name this release uses."""
+    for name in CACHE_CAPACITY:
+        get = getattr(cache, name, None)
+        if not callable(get):
+            continue
+        if name == "get_max_cache_shape":  # per layer (layer 0 by default): the largest of them
+            layers = len(getattr(cache, "layers", ())) or 1
+            values = [get(i) for i in range(layers)]
+        else:  # the largest over layers by default
+            values = [get()]
+        bounded = [int(v) for v in values if isinstance(v, int) and v > 0]
+        return max(bounded) if bounded else None
+    return None
 
 
 def unpad_probe(fn: Any) -> Optional[str]:

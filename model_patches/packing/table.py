@@ -55,7 +55,14 @@ from ..registry import PatchRecord
 from .aux_loss import AUX_LOSS_NAME, aux_loss_probe, build_aux_loss
 from .coverage import CAPABILITIES, made_correct_targets
 from .guards import build_forward_guard, build_guard, build_recurrent_mask, forward_probe
-from .mask_builders import build_mask_builder, build_unpad, mask_builder_probe, same_function_probe, unpad_probe
+from .mask_builders import (
+    build_mask_builder,
+    build_unpad,
+    cache_capacity_probe,
+    mask_builder_probe,
+    same_function_probe,
+    unpad_probe,
+)
 
 __all__ = ["Row", "PACKING_TABLE", "COVERED_FAMILIES", "MOE_FAMILIES", "EPOCHS", "packing_records", "is_packing_record"]
 
@@ -78,6 +85,7 @@ EPOCHS: dict[str, tuple[str, str, bool]] = {
 
 MU = "transformers.masking_utils"
 FU = "transformers.modeling_flash_attention_utils"
+CU = "transformers.cache_utils"
 BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 RECURRENT = "create_recurrent_attention_mask"
 ALIBI = "build_alibi_tensor"
@@ -138,6 +146,9 @@ PACKING_TABLE: tuple[Row, ...] = (
         probe=_fixed(mask_arguments_probe), build=_fixed(build_guard)),
     Row("modeling_flash_attention_utils._get_unpad_data (per-document cu_seqlens)", f"{FU}:_get_unpad_data",
         ">=4.53", "4.53+", probe=_fixed(unpad_probe), build=_fixed(build_unpad)),
+    Row("cache_utils.Cache (capacity read for static caches; checked, not replaced)", f"{CU}:Cache",
+        ">=4.53", "4.53+", probe=_fixed(cache_capacity_probe), build=_fixed(lambda original: original),
+        doc="document ids are padded to a static cache's length, which the mask functions index"),
     Row(f"{{short}}.{AUX_LOSS_NAME} (each real token counts once)", f"{{module}}:{AUX_LOSS_NAME}", ">=4.53", "4.53+",
         probe=_fixed(aux_loss_probe), build=_fixed(build_aux_loss), each="moe",
         doc="MoE load-balancing loss: an indexed mask becomes a 0/1 validity mask"),
