@@ -15,8 +15,8 @@ import torch
 
 from ..calls import model_modules
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
-from .coverage import CAPABILITIES, refusals_for_model
 from .aux_loss import AUX_LOSS_NAME
+from .coverage import CAPABILITIES, refusals_for_model
 from .table import BUILDERS, COVERED_FAMILIES, RECURRENT, is_packing_record, packing_records
 
 __all__ = ["enable_packing", "packing_status", "check_model"]
