@@ -121,8 +121,8 @@ def _summary(sections: list, seconds: dict[str, float], argv: list[str]) -> Sect
     table = Table(title="summary: what ran, and how long", columns=["section", "wall time (s)", "tables",
                                                                     "rows ok", "rows not measured"],
                   rows=rows, command="python -m bench " + " ".join(shlex.quote(a) for a in argv),
-                  notes=["rows not measured: a peer that is not installed or runs on CUDA only, or an error "
-                         "(its status says which)"])
+                  notes=["rows not measured: a peer that is not installed or runs on CUDA only, fit() refusing a "
+                         "budget no table reaches, or an error (its status says which)"])
     return Section(name="summary", tables=[table])
 
 
