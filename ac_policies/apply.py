@@ -113,13 +113,27 @@ def _hf_flagged(modules: list[tuple[str, nn.Module]], training: bool = True) -> 
     return None
 
 
+def trainer_checkpointing_argument() -> str:
+    """The training argument that keeps ``Trainer.train()`` (and TRL's trainers) from turning
+    Hugging Face checkpointing on: ``activation_checkpointing`` where the installed Transformers
+    has it (5.x), else ``gradient_checkpointing``."""
+    import transformers
+
+    fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 def double_checkpointing_error(fqn: str, module: nn.Module) -> ValueError:
     """The one message for a policy combined with Hugging Face's own gradient checkpointing."""
+    argument = trainer_checkpointing_argument()
     return ValueError(
         f"activation checkpointing twice: Hugging Face gradient checkpointing is enabled on {fqn or '<root>'} "
         f"({type(module).__name__}) and an ac_policies policy wraps modules in or around it, so they would be "
-        "recomputed twice. Use one: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() "
-        "on Transformers 5.x), or remove the policy with handle.remove()."
+        "recomputed twice. Use one. Under transformers.Trainer or TRL's trainers, train() turns Hugging Face's "
+        f"checkpointing on from the training arguments: pass {argument}=False in TrainingArguments / SFTConfig "
+        "(TRL's configs default gradient_checkpointing to True; calling model.gradient_checkpointing_disable() "
+        "before train() is undone by train()). Outside a trainer: model.gradient_checkpointing_disable() "
+        "(activation_checkpointing_disable() on Transformers 5.x). Or remove the policy with handle.remove()."
     )
 
 

@@ -1,0 +1,95 @@
+"""A policy inside the trainers people run: ``transformers.Trainer`` turns Hugging Face's
+checkpointing on in ``train()`` from its training arguments, so the refusal of double
+checkpointing names the training argument that works, and following it trains with the losses
+of training without any checkpointing (the policy changes no gradient). TRL's ``SFTTrainer``
+(whose configs default ``gradient_checkpointing`` to True) runs the same checks when installed."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import ac_policies
+from ac_policies.apply import trainer_checkpointing_argument
+from tests.support.tiny_models import tiny_ac_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+STEPS = 3
+
+
+def _dataset(n: int = 12) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(2, 128, (16,), generator=g)
+        rows.append({"input_ids": ids, "labels": ids.clone()})
+    return rows
+
+
+def _losses(trainer) -> list[float]:
+    trainer.train()
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+
+
+def _trainer(model: torch.nn.Module, tmp_path, **arguments):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        seed=0, **arguments,
+    )
+    return Trainer(model=model, args=args, train_dataset=_dataset())
+
+
+def test_trainer_refusal_names_the_training_argument_and_following_it_trains(tmp_path) -> None:
+    argument = trainer_checkpointing_argument()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing is an alias on Transformers 5.x
+        model = tiny_ac_model("llama")
+        with ac_policies.apply_policy(model, "full"):
+            trainer = _trainer(model, tmp_path / "on", **{argument: True})
+            with pytest.raises(ValueError, match=f"checkpointing twice.*{argument}=False"):
+                trainer.train()
+        plain = _losses(_trainer(tiny_ac_model("llama"), tmp_path / "plain"))
+        model = tiny_ac_model("llama")
+        with ac_policies.apply_policy(model, "full"):
+            advised = _losses(_trainer(model, tmp_path / "off", **{argument: False}))
+    assert len(plain) == STEPS and advised == plain
+
+
+def test_sft_trainer_defaults_are_refused_and_the_named_argument_trains(tmp_path) -> None:
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, 128)}}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>")
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"input_ids": [row["input_ids"].tolist() for row in _dataset()]})
+    argument = trainer_checkpointing_argument()
+
+    def sft(model, out, **extra):
+        args = trl.SFTConfig(output_dir=str(tmp_path / out), max_steps=STEPS, per_device_train_batch_size=4,
+                             logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                             disable_tqdm=True, max_length=32, seed=0, **extra)
+        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = tiny_ac_model("llama")
+        with ac_policies.apply_policy(model, "full"):
+            with pytest.raises(ValueError, match=f"{argument}=False"):
+                sft(model, "defaults").train()  # TRL's default turns Hugging Face checkpointing on
+        off = {argument: False, "gradient_checkpointing": False}
+        plain = _losses(sft(tiny_ac_model("llama"), "plain", **off))
+        model = tiny_ac_model("llama")
+        with ac_policies.apply_policy(model, "full"):
+            advised = _losses(sft(model, "advised", **off))
+    assert len(plain) == STEPS and advised == plain
