@@ -163,8 +163,10 @@ def _module_device(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tor
     return None
 
 
+@torch.compiler.disable
 def _warn_offload_in_place(fqn: str, device: Optional[torch.device]) -> None:
-    """Warn once per process that ``offload`` keeps activations where they are off CUDA."""
+    """Warn once per process that ``offload`` keeps activations where they are off CUDA (outside
+    compiled graphs: it reads and sets process state)."""
     global _offload_warned
     with _offload_warn_lock:
         if _offload_warned:
@@ -180,11 +182,6 @@ def _warn_offload_in_place(fqn: str, device: Optional[torch.device]) -> None:
 
 
 @torch.compiler.disable
-def _warn_offload_in_place_once(fqn: str, device: Optional[torch.device]) -> None:
-    _warn_offload_in_place(fqn, device)
-
-
-@torch.compiler.disable
 def _offloaded(module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> Any:
     """``orig(*args, **kwargs)`` under a new CUDA offload region (eager: the hooks keep Python state)."""
     with default_offloader("cuda").region(module).hooks():
@@ -196,7 +193,7 @@ def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwa
     device = _module_device(module, args, kwargs)
     if device is None or device.type != "cuda":
         if not _offload_warned:
-            _warn_offload_in_place_once(fqn, device)
+            _warn_offload_in_place(fqn, device)
         return orig(*args, **kwargs)
     return _offloaded(module, orig, args, kwargs)
 
