@@ -246,13 +246,16 @@ class PatchHandle(Handle):
     patched target after this handle patched it (another library wrapping the wrapper),
     ``remove()`` raises ``ValueError`` naming the target and changes nothing: putting the
     original back would delete that later code, and it still calls this handle's replacement.
-    Remove the later patch first, then this handle.
+    Remove the later patch first, then this handle. ``companions``: other handles that belong to
+    the same patch (hooks, guards), removed with it, last added first.
     """
 
-    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "") -> None:
+    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "",
+                 companions: Sequence[Handle] = ()) -> None:
         self._targets = list(targets)
         self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
         self._what = what
+        self.companions: list[Handle] = list(companions)
 
     def remove(self) -> None:
         with _LOCK:
@@ -267,6 +270,8 @@ class PatchHandle(Handle):
                 "handle patched it, and that code still calls this handle's replacement; restoring the "
                 "original would delete it. Remove the later patch first, then call handle.remove()"
             )
+        for companion in reversed(self.companions):
+            companion.remove()
         for target in reversed(self._targets):
             entry = _ACTIVE.get(target)
             if entry is None:
