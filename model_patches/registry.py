@@ -243,10 +243,11 @@ class PatchHandle(Handle):
 
     ``remove()`` releases this handle's references; a target gets its original back when the
     last handle holding it is removed. Removing twice is a no-op. If something replaced a
-    patched target after this handle patched it (another library wrapping the wrapper),
-    ``remove()`` raises ``ValueError`` naming the target and changes nothing: putting the
-    original back would delete that later code, and it still calls this handle's replacement.
-    Remove the later patch first, then this handle. ``companions``: other handles that belong to
+    patched target after this handle patched it (another library wrapping the wrapper), the
+    replacement is taken out from under that code when it holds the replacement in a closure
+    (it then calls the original); otherwise ``remove()`` raises ``ValueError`` naming the target
+    and changes nothing: putting the original back would delete that later code, which still
+    calls this handle's replacement. Remove the later patch first, then this handle. ``companions``: other handles that belong to
     the same patch (hooks, guards), removed with it, last added first.
     """
 
@@ -262,13 +263,17 @@ class PatchHandle(Handle):
             super().remove()
 
     def _undo(self) -> None:
+        from .calls import holding_cell
+
         releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
         replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
-        if replaced:
+        stuck = [t for t in replaced if holding_cell(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]
+        if stuck:
             raise ValueError(
-                f"cannot remove {self!r}: {', '.join(replaced)} was replaced by other code after this "
-                "handle patched it, and that code still calls this handle's replacement; restoring the "
-                "original would delete it. Remove the later patch first, then call handle.remove()"
+                f"cannot remove {self!r}: {', '.join(stuck)} was replaced by other code after this "
+                "handle patched it, and that code holds this handle's replacement in a way that cannot be "
+                "unwrapped; restoring the original would delete it. Remove the later patch first, then "
+                "call handle.remove()"
             )
         for companion in reversed(self.companions):
             companion.remove()
@@ -280,9 +285,14 @@ class PatchHandle(Handle):
             if entry[5] > 0:
                 continue
             del _ACTIVE[target]
-            record, owner, attr, original, _, _ = entry
-            setattr(owner, attr, original)
-            logger.info("restored %s (%s)", target, record.name)
+            record, owner, attr, original, replacement, _ = entry
+            current = getattr(owner, attr, None)
+            if current is replacement:
+                setattr(owner, attr, original)
+                logger.info("restored %s (%s)", target, record.name)
+            else:  # the later code stays and now calls the original
+                holding_cell(current, replacement).cell_contents = original
+                logger.info("unwrapped %s (%s) from under later code", target, record.name)
 
     def _describe(self) -> str:
         return f"{self._what + ': ' if self._what else ''}{len(self._targets)} patches"
