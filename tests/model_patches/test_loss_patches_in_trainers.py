@@ -165,3 +165,21 @@ def test_chunked_loss_for_a_model_carrying_trl_head_is_refused(tmp_path, rows):
     with pytest.raises(ValueError, match="enable_chunked_loss: TRL's fused LM head.*enable_trl_heads"):
         enable_chunked_loss(model=model)
     assert model_patches.chunked_loss_status()[0].state != "applied"
+
+
+@pytest.mark.parametrize("layout", ["padded", "packing", "padding_free"])
+def test_packing_patch_under_sft_trainer_gives_trl_losses(tmp_path, layout):
+    """TRL's own layouts (padded rows; packed or padding-free rows with restarting position_ids and
+    no mask) train to the same losses with the packing patch on as without it."""
+    pytest.importorskip("trl")
+    from tests.support.trainers import logged_losses, sft_trainer, token_rows
+
+    rows = token_rows(12, 16, ragged=True)
+    config = {"padded": {}, "packing": {"packing": True}, "padding_free": {"padding_free": True, "max_length": None}}[layout]
+    plain = logged_losses(sft_trainer(tiny_loss_model("llama", attn_implementation="sdpa"), tmp_path / "plain",
+                                      rows, **config))
+    model = tiny_loss_model("llama", attn_implementation="sdpa")
+    with model_patches.enable_packing(model=model) as handle:
+        patched = logged_losses(sft_trainer(model, tmp_path / "patched", rows, **config))
+        assert handle.active
+    assert patched == pytest.approx(plain, rel=1e-5)
