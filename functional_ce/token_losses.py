@@ -26,10 +26,14 @@ def _split(rows: torch.Tensor, options: dict[str, Any]) -> LogProbs:
     return_entropy, stats = options.get("return_entropy", False), tuple(options.get("stats", ()))
     if not (return_entropy or stats):
         return rows
-    cols = rows.unbind(-1)
     first = 2 if return_entropy else 1
-    extra = tuple(c.detach() > 0.5 if name == "is_top1" else c.detach() for name, c in zip(stats, cols[first:]))
-    return (*cols[:first], *extra)
+    if not stats:
+        return tuple(rows.unbind(-1))  # type: ignore[return-value]
+    # select, not unbind: unbind's backward stacks a zero for every unused column, which a
+    # DTensor result cannot mix with plain tensors
+    kept = tuple(rows[..., i] for i in range(first))
+    extra = tuple(rows[..., first + i].detach() for i in range(len(stats)))
+    return (*kept, *(c > 0.5 if name == "is_top1" else c for name, c in zip(stats, extra)))
 
 
 def _check_logits(name: str, logits: object) -> torch.Tensor:
@@ -80,7 +84,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
 
     Tensor parallel: ``logits`` may be a DTensor ``Shard(-1)`` over the vocabulary (as in
     :func:`functional_ce.cross_entropy`): forward all-reduces 12 bytes per token (16 with the
-    entropy; 4 more per ``log_sum_sq_probs`` and ``mean_logits``, 8 more for ``is_top1``),
+    entropy; 4 more for ``mean_logits``, 8 more each for ``log_sum_sq_probs`` and ``is_top1``),
     backward communicates nothing, and the outputs are DTensors ``Replicate()``.
 
     Raises:

@@ -47,7 +47,9 @@ def logp_stats(zs: Sequence[torch.Tensor], labels: torch.Tensor, prior: Optional
     lse = torch.logsumexp(x, dim=-1)
     parts = [lse, target_logit(x, labels, spec)[0]]
     if spec.return_entropy:
-        parts.append(where_p(torch.exp(x - lse.unsqueeze(-1)), x).sum(dim=-1))
+        # the mean of x - max, plus max: summing x itself loses the digits that lse - mean keeps
+        top = torch.where(torch.isfinite(lse), x.amax(dim=-1), 0.0).unsqueeze(-1)
+        parts.append(where_p(torch.exp(x - lse.unsqueeze(-1)), x - top).sum(dim=-1) + top.squeeze(-1))
     for name in spec.stats:
         if name == "log_sum_sq_probs":
             parts.append(torch.logsumexp(2.0 * x, dim=-1))
