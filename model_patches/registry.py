@@ -67,7 +67,8 @@ class PatchRecord:
     ``probe(original) -> None`` when ``original`` has the expected shape, else a short reason.
     ``build(original) -> replacement``. ``epoch`` groups records for readers
     (``"4.53-5.3"``); ``newest_tested`` overrides :data:`NEWEST_TESTED` for this record;
-    ``table`` names the table that made it (``"packing"``, ``"loss"``), for status functions.
+    ``table`` names the table that made it (``"packing"``, ``"loss"``), for status functions;
+    ``package`` the distribution whose version ``versions`` gates (``"transformers"``, ``"trl"``).
     """
 
     name: str
@@ -79,6 +80,7 @@ class PatchRecord:
     doc: str = ""
     newest_tested: str = ""
     table: str = ""
+    package: str = "transformers"
 
     def __post_init__(self) -> None:
         module, sep, attr = self.target.partition(":")
@@ -103,7 +105,7 @@ class PatchRecord:
 
     def tested_range(self) -> str:
         """Human-readable tested range: the gate and the newest tested release."""
-        return f"transformers {self.versions} (tested up to {self.newest_tested or NEWEST_TESTED})"
+        return f"{self.package} {self.versions} (tested up to {self.newest_tested or NEWEST_TESTED})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,7 @@ def _original(record: PatchRecord) -> Any:
 def _check(record: PatchRecord, version: str) -> tuple[str, str]:
     """(state, reason) for one record without patching: available / skipped / failed."""
     if not record.admits(version):
-        return "skipped", f"transformers {version} is outside {record.versions}"
+        return "skipped", f"{record.package} {version} is outside {record.versions}"
     try:
         original = _original(record)
     except LookupError as exc:
@@ -194,7 +196,7 @@ def _warn_if_newer(records: Sequence[PatchRecord], version: str) -> None:
             if key not in _WARNED_NEWER:
                 _WARNED_NEWER.add(key)
                 msg = (
-                    f"transformers {version} is newer than the newest release these patches were "
+                    f"{rec.package} {version} is newer than the newest release these patches were "
                     f"tested on ({newest}); the probes passed or are being run, but check "
                     "model_patches status and run the packing tests before trusting results"
                 )
@@ -316,10 +318,11 @@ def apply_records(
         failed = [(rec, reason) for rec, state, reason in checks if state == "failed"]
         if failed:
             lines = "\n".join(f"  - {r.name}: {why} [for {r.tested_range()}]" for r, why in failed)
+            package = failed[0][0].package
             msg = (
-                f"transformers {version} is installed, and {len(failed)} patch record(s) admitted "
+                f"{package} {version} is installed, and {len(failed)} patch record(s) admitted "
                 f"by their version gate cannot be applied:\n{lines}\n"
-                "Fix: install a Transformers release inside the tested range, or pass strict=False "
+                f"Fix: install a {package} release inside the tested range, or pass strict=False "
                 "to continue without these patches (their features are then unavailable)."
             )
             if strict:
