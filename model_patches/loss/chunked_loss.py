@@ -31,6 +31,7 @@ import functional_ce
 from ..calls import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from .loss_use import LossUseWatch, loss_reached, trainer_fused_head
+from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
 
@@ -150,19 +151,13 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
             f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {_TRAINER_HEAD_FIX}"
         )
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
-    handle.companions.append(_refuse_trl_kernels(
+    handle.companions.append(refuse_unrouted_trl_heads(
         "enable_chunked_loss routes Transformers' LOSS_MAPPING, which TRL's fused LM head and chunked divergence "
         f"never call: this step would run TRL's own kernel and leave the chunked loss silently unused. {_TRAINER_HEAD_FIX}"
     ))
     if model is not None:
         handle.companions.append(LossUseWatch(model, "enable_chunked_loss", _TRAINER_HEAD_FIX))
     return handle
-
-
-def _refuse_trl_kernels(message: str):
-    from .hidden_state_loss import _refuse_trl_kernels as refuse  # TEMP until trl_heads lands
-
-    return refuse(message)
 
 
 def chunked_loss_status() -> StatusTable:

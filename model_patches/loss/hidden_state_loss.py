@@ -41,6 +41,7 @@ from functional_ce.spec import ChunkSize
 from ..calls import unwrap_from_under
 from ..registry import Handle
 from .loss_use import FUSED_HEAD_KEYWORD, LossUseWatch, loss_reached, trainer_fused_head
+from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 
@@ -409,7 +410,7 @@ def enable_hidden_state_loss(
     forward._hidden_state_loss = True  # type: ignore[attr-defined]
     forward.__wrapped_forward__ = original  # type: ignore[attr-defined]
     companions = (
-        _refuse_trl_kernels(
+        refuse_unrouted_trl_heads(
             f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
             f"loss from hidden states instead, so the patch is silently unused. {_TRAINER_HEAD_FIX}"
         ),
@@ -417,24 +418,6 @@ def enable_hidden_state_loss(
     )
     model.forward = forward
     return HiddenStateLossHandle(model, had_own, own, forward, original, companions)
-
-
-def _refuse_trl_kernels(message: str) -> Handle:
-    """While the returned handle is active, TRL's fused kernels refuse with ``message`` unless
-    :func:`model_patches.enable_trl_heads` routes them (see :mod:`model_patches.loss.trl_heads`)."""
-    try:
-        from .trl_heads import refuse_unrouted_trl_heads
-    except ImportError:  # TEMP until trl_heads lands
-        return _Nothing()
-    return refuse_unrouted_trl_heads(message)
-
-
-class _Nothing(Handle):  # TEMP
-    def _undo(self) -> None:
-        pass
-
-    def _describe(self) -> str:
-        return "nothing"
 
 
 def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

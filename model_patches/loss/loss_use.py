@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..registry import Handle
 
-__all__ = ["LossUseWatch", "loss_reached", "trainer_fused_head", "trl_heads_routed"]
+__all__ = ["LossUseWatch", "loss_reached", "trainer_fused_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +76,6 @@ def trainer_fused_head(model: nn.Module) -> Optional[str]:
     return None
 
 
-def trl_heads_routed() -> bool:
-    """Whether :func:`model_patches.enable_trl_heads` routes TRL's heads through functional_ce now."""
-    try:
-        from .trl_heads import trl_heads_routed as routed
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return False
-    return routed()
-
-
 class LossUseWatch(Handle):
     """Forward hooks on one model that refuse a trainer's fused-head call and report a labelled
     training call that did not reach the library's loss (once per model). ``remove()`` takes the
@@ -104,6 +95,8 @@ class LossUseWatch(Handle):
         if self._depth == 0 and not torch.compiler.is_compiling():
             self._start = _REACHED[0]
         self._depth += 1  # first: the after-hook runs (always_call) even when this hook raises
+        from .trl_heads import trl_heads_routed  # it counts with loss_reached: imported at call time
+
         if kwargs.get(FUSED_HEAD_KEYWORD) and not trl_heads_routed():
             raise ValueError(
                 f"{self._who} is active on {type(module).__name__}, but this call asks "

@@ -48,6 +48,7 @@ import functional_ce
 
 from ..calls import parameters_probe
 from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
+from .loss_use import loss_reached
 
 __all__ = ["enable_trl_heads", "refuse_unrouted_trl_heads", "trl_heads_routed", "trl_heads_status"]
 
@@ -100,6 +101,7 @@ def routed_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, fp32 (``is_top1`` bool),
     None for each field not in ``outputs``; gradients on the log-probs and the entropy only.
     ``chunk_size`` (TRL's vocabulary tile width) is not used: functional_ce chunks token rows."""
+    loss_reached()
     outputs = tuple(outputs)
     entropy = "entropy" in outputs
     stats = tuple(name for name in _OPTIONAL_OUTPUTS[1:] if name in outputs)
@@ -147,6 +149,7 @@ def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states
     does not return it). A soft-capped head raises ``ValueError``: functional_ce's distillation
     has no soft-cap option.
     """
+    loss_reached()
     for who, cap in (("student", student_final_logit_softcapping), ("teacher", teacher_final_logit_softcapping)):
         if cap is not None:
             raise ValueError(

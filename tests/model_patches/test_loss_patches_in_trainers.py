@@ -10,6 +10,7 @@ with labels that does not reach the library's loss is reported once per model. C
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -110,10 +111,14 @@ def test_remove_takes_the_patch_out_from_under_a_closure_wrapper():
         torch.testing.assert_close(model(**batch).logits, expected)
 
     held = enable_hidden_state_loss(model)
-    model.forward = lambda *a, **k: held  # holds the patch some other way: refused, nothing changed
+    patched = model.forward
+    model.forward = types.SimpleNamespace(patched=patched)  # holds the patch some other way
     with pytest.raises(ValueError, match="cannot be unwrapped"):
         held.remove()
-    assert held.active
+    assert held.active  # refused, nothing changed
+    model.forward = patched
+    held.remove()
+    assert not held.active
 
 
 # --- TRL ---------------------------------------------------------------------------------------
@@ -172,10 +177,10 @@ def test_packing_patch_under_sft_trainer_gives_trl_losses(tmp_path, layout):
     """TRL's own layouts (padded rows; packed or padding-free rows with restarting position_ids and
     no mask) train to the same losses with the packing patch on as without it."""
     pytest.importorskip("trl")
-    from tests.support.trainers import logged_losses, sft_trainer, token_rows
+    from tests.support.trainers import SFT_LAYOUTS, logged_losses, sft_trainer, token_rows
 
     rows = token_rows(12, 16, ragged=True)
-    config = {"padded": {}, "packing": {"packing": True}, "padding_free": {"padding_free": True, "max_length": None}}[layout]
+    config = SFT_LAYOUTS[layout]
     plain = logged_losses(sft_trainer(tiny_loss_model("llama", attn_implementation="sdpa"), tmp_path / "plain",
                                       rows, **config))
     model = tiny_loss_model("llama", attn_implementation="sdpa")
@@ -183,3 +188,56 @@ def test_packing_patch_under_sft_trainer_gives_trl_losses(tmp_path, layout):
         patched = logged_losses(sft_trainer(model, tmp_path / "patched", rows, **config))
         assert handle.active
     assert patched == pytest.approx(plain, rel=1e-5)
+
+
+def test_chunked_loss_under_sft_trainer_is_refused_until_trl_heads_are_routed(tmp_path, rows, counted):
+    from tests.support.trainers import logged_losses
+
+    plain = logged_losses(_sft(tiny_loss_model("llama"), tmp_path, rows, "plain"))
+    with enable_chunked_loss():
+        trainer = _sft(tiny_loss_model("llama"), tmp_path, rows, "chunked")
+        with pytest.raises(ValueError, match="enable_chunked_loss routes.*never call.*enable_trl_heads"):
+            trainer.train()
+        with model_patches.enable_trl_heads():
+            routed = logged_losses(_sft_again(trainer))
+    assert routed == pytest.approx(plain, rel=1e-5)
+    assert counted["cross_entropy"] == 0  # LOSS_MAPPING was never reached: TRL's head computed the loss
+
+
+def _grpo(model, out_dir, steps: int = 2):
+    import trl
+    from datasets import Dataset
+
+    from tests.support.trainers import token_rows, word_tokenizer
+
+    prompts = [" ".join(f"t{i}" for i in row) for row in token_rows(8, 6)]
+    args = trl.GRPOConfig(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+        disable_tqdm=True, logging_steps=1, seed=0,
+    )
+    return trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [float(len(c)) for c in completions]],
+                           args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=word_tokenizer())
+
+
+def test_grpo_trainer_routes_its_head_refuses_the_hidden_state_loss_and_generates_under_packing(tmp_path, rows,
+                                                                                              monkeypatch):
+    """GRPO generates its rollouts (under the packing patch here) and scores them with TRL's fused
+    head: routed, the head runs on functional_ce with TRL's metrics and gradients."""
+    from tests.support.trainers import logged
+
+    calls = []
+    real = functional_ce.linear_token_logprobs
+    monkeypatch.setattr(functional_ce, "linear_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    keys = ("loss", "grad_norm", "entropy", "reward")
+    plain = logged(_grpo(tiny_loss_model("llama"), tmp_path / "plain"), *keys)
+    assert calls == []
+    with model_patches.enable_packing(), model_patches.enable_trl_heads():
+        routed = logged(_grpo(tiny_loss_model("llama"), tmp_path / "routed"), *keys)
+    assert len(calls) >= 2 and len(routed) == len(plain) == 2
+    assert routed == [pytest.approx(row, rel=1e-5, abs=1e-6) for row in plain]
+
+    model = tiny_loss_model("llama")
+    _grpo(model, tmp_path / "refused")  # installs TRL's head
+    with pytest.raises(ValueError, match="TRL's fused LM head.*enable_trl_heads"):
+        enable_hidden_state_loss(model)

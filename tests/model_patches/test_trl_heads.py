@@ -284,45 +284,34 @@ def test_without_trl_the_records_are_skipped_with_the_reason(monkeypatch):
 # --- a real SFTTrainer ---------------------------------------------------------------------------
 
 
-def _sft_trainer(tmp_path, seed=0):
-    import datasets
-    import tokenizers
-    import transformers
+def _sft_trainer(tmp_path, layout="padded"):
+    from tests.support.trainers import SFT_LAYOUTS, sft_trainer, token_rows
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, 128)}}
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>")),
-        pad_token="<pad>", eos_token="<eos>")
-    g = torch.Generator().manual_seed(seed)
-    rows = [torch.randint(2, 128, (int(n),), generator=g).tolist()
-            for n in torch.randint(8, 40, (12,), generator=g)]
-    config = trl.SFTConfig(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to="none", use_cpu=True,
-        bf16=False, save_strategy="no", disable_tqdm=True, max_length=64, logging_steps=1, seed=seed)
-    model = tiny_loss_model("llama", vocab_size=128, seed=seed)
-    return trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"input_ids": rows}),
-                          processing_class=tokenizer)
+    rows = token_rows(12, 40, ragged=True)
+    return sft_trainer(tiny_loss_model("llama", vocab_size=128), tmp_path, rows, **{"max_length": 64,
+                       **SFT_LAYOUTS[layout]})
 
 
 def _losses(trainer):
-    trainer.train()
-    return [(log["loss"], log["entropy"], log["mean_token_accuracy"]) for log in trainer.state.log_history
-            if "loss" in log]
+    from tests.support.trainers import logged
+
+    return logged(trainer, "loss", "entropy", "mean_token_accuracy")
 
 
-def test_sft_trainer_routes_in_either_order_and_logs_trls_losses(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "packing", "padding_free"])
+def test_sft_trainer_routes_in_either_order_and_logs_trls_losses(tmp_path, monkeypatch, layout):
     calls = []
     real = functional_ce.linear_token_logprobs
     monkeypatch.setattr(functional_ce, "linear_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    plain = _losses(_sft_trainer(tmp_path / "plain"))
+    plain = _losses(_sft_trainer(tmp_path / "plain", layout))
     assert calls == []
 
     with model_patches.enable_trl_heads():  # enabled before the trainer adds its head
-        before = _losses(_sft_trainer(tmp_path / "before"))
+        before = _losses(_sft_trainer(tmp_path / "before", layout))
     n_before = len(calls)
     assert n_before >= 3  # one call per step at least
 
-    trainer = _sft_trainer(tmp_path / "after")
+    trainer = _sft_trainer(tmp_path / "after", layout)
     with model_patches.enable_trl_heads():  # enabled after
         after = _losses(trainer)
     assert len(calls) - n_before == n_before

@@ -52,5 +52,19 @@ def sft_trainer(model: torch.nn.Module, out_dir: Any, rows: Sequence[Sequence[in
 
 def logged_losses(trainer) -> list[float]:
     """Train, then the loss logged at each step."""
+    return [row[0] for row in logged(trainer, "loss")]
+
+
+def logged(trainer, *keys: str) -> list[tuple[float, ...]]:
+    """Train, then ``keys`` of every step's log (the rows that log a loss)."""
     trainer.train()
-    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    return [tuple(row[k] for k in keys) for row in trainer.state.log_history if "loss" in row]
+
+
+SFT_LAYOUTS: dict[str, dict[str, Any]] = {
+    "padded": {},
+    "packing": {"packing": True},
+    "padding_free": {"padding_free": True, "max_length": None},
+}
+"""``SFTConfig`` settings of TRL's three batch layouts: padded rows; rows packed by TRL (one row,
+restarting ``position_ids``, no attention mask); padding-free rows (the same, unpacked)."""
