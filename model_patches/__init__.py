@@ -26,8 +26,6 @@ _LAZY: dict[str, str] = {
     "causal_lm_distillation_loss": "loss.token_losses",
     "enable_trl_heads": "loss.trl_heads",
     "trl_heads_status": "loss.trl_heads",
-    "trl_heads_routed": "loss.trl_heads",
-    "refuse_unrouted_trl_heads": "loss.trl_heads",
     # what they return and raise
     "PatchHandle": "registry",
     "HiddenStateLossHandle": "loss.hidden_state_loss",

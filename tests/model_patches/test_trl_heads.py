@@ -36,7 +36,7 @@ TRL_DIVERGENCE = distillation_module._chunked_divergence_loss
 def _eager_chunks_and_no_leftover_handles(monkeypatch):
     monkeypatch.setenv("FUNCTIONAL_CE_COMPILE", "0")
     yield
-    assert not model_patches.trl_heads_routed()
+    assert not trl_heads.trl_heads_routed()
     assert trl_utils._ChunkedLogProbFunction is TRL_HEAD
     assert distillation_module._chunked_divergence_loss is TRL_DIVERGENCE
 
@@ -226,7 +226,7 @@ def test_divergence_as_the_trainer_calls_it_routes_through_functional_ce(monkeyp
 def test_handles_undo_refcount_and_refusal_mode():
     first = model_patches.enable_trl_heads()
     second = model_patches.enable_trl_heads()
-    assert model_patches.trl_heads_routed() and "active" in repr(first)
+    assert trl_heads.trl_heads_routed() and "active" in repr(first)
     assert type(trl_utils._ChunkedLogProbFunction).__name__ == "RoutedChunkedLogProb"
     assert trl_utils._ChunkedLogProbFunction.__wrapped__ is TRL_HEAD
     assert trl_utils._ChunkedLogProbFunction.forward is TRL_HEAD.forward  # other attributes pass through
@@ -234,14 +234,14 @@ def test_handles_undo_refcount_and_refusal_mode():
     rows = model_patches.trl_heads_status()
     assert [r.state for r in rows] == ["applied", "applied"] and "2 live handle(s)" in rows[0].reason
     first.remove()
-    assert model_patches.trl_heads_routed() and trl_utils._ChunkedLogProbFunction is not TRL_HEAD
+    assert trl_heads.trl_heads_routed() and trl_utils._ChunkedLogProbFunction is not TRL_HEAD
     second.remove()
     second.remove()  # twice: a no-op
-    assert not model_patches.trl_heads_routed() and trl_utils._ChunkedLogProbFunction is TRL_HEAD
+    assert not trl_heads.trl_heads_routed() and trl_utils._ChunkedLogProbFunction is TRL_HEAD
     assert [r.state for r in model_patches.trl_heads_status()] == ["available", "available"]
 
     inputs = _head(6)
-    refusal = model_patches.refuse_unrouted_trl_heads("the chunked loss is on and TRL's head would bypass it")
+    refusal = trl_heads.refuse_unrouted_trl_heads("the chunked loss is on and TRL's head would bypass it")
     with pytest.raises(ValueError, match="would bypass it"):
         trl_utils._ChunkedLogProbFunction.apply(*inputs, 1.0, 64)
     with pytest.raises(ValueError, match="would bypass it"):
@@ -255,7 +255,7 @@ def test_handles_undo_refcount_and_refusal_mode():
     refusal.remove()
     assert trl_utils._ChunkedLogProbFunction is TRL_HEAD
     with pytest.raises(TypeError, match="message"):
-        model_patches.refuse_unrouted_trl_heads("")
+        trl_heads.refuse_unrouted_trl_heads("")
 
 
 def test_a_trl_kernel_of_another_signature_is_refused_loudly(monkeypatch):
@@ -273,7 +273,7 @@ def test_a_trl_kernel_of_another_signature_is_refused_loudly(monkeypatch):
 def test_without_trl_the_records_are_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(trl_heads, "_trl_version", lambda: None)
     handle = model_patches.enable_trl_heads()
-    refusal = model_patches.refuse_unrouted_trl_heads("x")
+    refusal = trl_heads.refuse_unrouted_trl_heads("x")
     assert all(r.state == "skipped" and "not installed" in r.reason for r in model_patches.trl_heads_status())
     assert all(r.state == "skipped" for r in handle.rows) and handle.active and refusal.active
     handle.remove()
