@@ -134,7 +134,7 @@ def _efficiency_table(args: argparse.Namespace, tick: Callable[[str], None]) -> 
     rows, data = [], {}
     rows.append(["pad every document to max_length", len(lengths), total / (len(lengths) * L), None])
     rows.append(["next fit, arrival order", len(lengths), total / (_next_fit_rows(lengths, L) * L), None])
-    collator = PackingCollator(L, require_packing=False)  # counts tokens; no model sees these batches
+    collator = PackingCollator(L, require_packing=False, return_num_tokens=True)  # no model sees these batches
     rng = random.Random(1)
     for pool in (64, 512, len(lengths)):
         tick(f"packing collator pool {pool}")

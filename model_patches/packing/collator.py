@@ -62,11 +62,13 @@ class PackingCollator:
       position learns to predict the next document's first token (HF models shift labels);
     - ``attention_mask``: 1, 2, ... per document within the row, 0 on padding;
     - ``position_ids``: 0, 1, ... restarting at each document, 0 on padding;
-    - ``num_tokens`` (unless ``return_num_tokens=False``): ``[rows]``, the real (non-padding)
-      tokens of each row; ``batch["num_tokens"].sum()`` is the batch's token count. Summing the
-      indexed mask instead counts document numbers (TRL's ``num_tokens`` metric does that). A
-      model's ``forward`` takes the extra key in its ``**kwargs`` and ignores it; per row, it
-      stays right when a batch is split along its rows (Accelerate's ``split_batches``).
+    - ``num_tokens`` (with ``return_num_tokens=True``): ``[rows]``, the real (non-padding) tokens
+      of each row; ``batch["num_tokens"].sum()`` is the batch's token count. Summing the indexed
+      mask instead counts document numbers (TRL's ``num_tokens`` metric does that). Per row, it
+      stays right when a batch is split along its rows (Accelerate's ``split_batches``). Off by
+      default: under ``Trainer`` every batch key reaches ``model(**batch)``; Transformers 5.x
+      models take it in ``**kwargs`` and ignore it, but some 4.x forwards (bloom, bart, mbart,
+      pegasus, ... on 4.57) raise on an unknown keyword.
 
     Documents longer than ``max_length`` are truncated (``overlong="truncate"``) or cut into
     ``max_length`` pieces that become separate documents (``"split"``), with a logged warning;
@@ -90,7 +92,7 @@ class PackingCollator:
         overlong: str = "truncate",
         label_pad_id: int = -100,
         require_packing: bool = True,
-        return_num_tokens: bool = True,
+        return_num_tokens: bool = False,
     ) -> None:
         if not isinstance(max_length, int) or max_length <= 0:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")

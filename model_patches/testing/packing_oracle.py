@@ -54,13 +54,12 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def packed_batch(seed: int = 0, max_length: int = 12, lengths: tuple[int, ...] = _LENGTHS) -> dict[str, torch.Tensor]:
-    """A collated batch (batch > 1, padding in the last row) of random token documents: the
-    collator's four ``[rows, max_length]`` tensors, without its ``num_tokens``."""
+    """A collated batch (batch > 1, padding in the last row) of random token documents."""
     g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
     # The oracle runs this batch on stock Transformers too (the negative control that must leak),
     # so it is built whether or not the packing patches are live.
-    return PackingCollator(max_length, require_packing=False, return_num_tokens=False)(docs)
+    return PackingCollator(max_length, require_packing=False)(docs)
 
 
 def documents(batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:

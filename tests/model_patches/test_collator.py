@@ -41,7 +41,7 @@ def _unpack(batch: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int], 
 
 @given(docs_strategy, st.integers(20, 48))
 def test_every_document_lands_whole_once(docs, max_length) -> None:
-    batch = PackingCollator(max_length, pad_token_id=0)(docs)
+    batch = PackingCollator(max_length, pad_token_id=0, return_num_tokens=True)(docs)
     rows = batch["input_ids"].shape[0]
     assert all(batch[k].shape == (rows, max_length) for k in ("input_ids", "labels", "attention_mask", "position_ids"))
     assert batch["num_tokens"].shape == (rows,) and batch["num_tokens"].dtype == torch.long
@@ -114,8 +114,8 @@ def test_bad_settings_are_rejected(kwargs, match) -> None:
 
 
 def test_efficiency_counts_real_tokens() -> None:
-    batch = PackingCollator(10)([[1] * 6, [2] * 4, [3] * 5])
+    batch = PackingCollator(10, return_num_tokens=True)([[1] * 6, [2] * 4, [3] * 5])
     assert _PackingCollator.efficiency(batch) == pytest.approx(15 / 20)
     assert batch["num_tokens"].tolist() == [10, 5]
-    without = PackingCollator(10, return_num_tokens=False)([[1] * 6, [2] * 4, [3] * 5])
-    assert "num_tokens" not in without and _PackingCollator.efficiency(without) == pytest.approx(15 / 20)
+    plain = PackingCollator(10)([[1] * 6, [2] * 4, [3] * 5])
+    assert "num_tokens" not in plain and _PackingCollator.efficiency(plain) == pytest.approx(15 / 20)
