@@ -58,6 +58,8 @@ _LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_ke
 #: Keywords every causal-LM forward of Transformers takes or passes on, named or not.
 _STOCK_KEYWORDS = ("return_dict", "shift_labels", "past_key_values", "cache", "output_attentions",
                    "output_hidden_states", "num_items_in_batch")
+#: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``).
+_LIBRARY_BATCH_KEYS = ("num_tokens",)
 _warned_types: set[str] = set()
 
 
@@ -266,7 +268,7 @@ def _model_keywords(model: nn.Module) -> Optional[frozenset[str]]:
         if not isinstance(keys, dict):
             return None
         names |= set(keys)
-    return frozenset(names | set(_LOSS_ONLY_KEYS) | set(_STOCK_KEYWORDS))
+    return frozenset(names | set(_LOSS_ONLY_KEYS) | set(_STOCK_KEYWORDS) | set(_LIBRARY_BATCH_KEYS))
 
 
 def _refuse_unknown_keywords(model: nn.Module, known: Optional[frozenset[str]], kwargs: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ with labels that does not reach the library's loss is reported once per model. C
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 
@@ -241,3 +242,25 @@ def test_grpo_trainer_routes_its_head_refuses_the_hidden_state_loss_and_generate
     _grpo(model, tmp_path / "refused")  # installs TRL's head
     with pytest.raises(ValueError, match="TRL's fused LM head.*enable_trl_heads"):
         enable_hidden_state_loss(model)
+
+
+def test_packing_collator_under_sft_trainer_is_refused_without_the_patch_and_trains_with_it(tmp_path, rows,
+                                                                                           counted, monkeypatch):
+    """``SFTTrainer(data_collator=PackingCollator(...))``: refused at the first batch without the
+    packing patch; with it (and TRL's head routed) it trains on functional_ce."""
+    from tests.support.trainers import logged_losses
+
+    calls = []
+    real = functional_ce.linear_token_logprobs
+    monkeypatch.setattr(functional_ce, "linear_token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    collator = model_patches.PackingCollator(32)
+    trainer = _sft(tiny_loss_model("llama", attn_implementation="sdpa"), tmp_path, rows, "refused")
+    trainer.data_collator = collator
+    with pytest.raises(ValueError, match="enable_packing"):
+        trainer.train()
+    model = tiny_loss_model("llama", attn_implementation="sdpa")
+    with model_patches.enable_packing(model=model), model_patches.enable_trl_heads():
+        trainer = _sft(model, tmp_path, rows, "packed")
+        trainer.data_collator = collator
+        losses = logged_losses(trainer)
+    assert len(losses) == 3 and all(map(math.isfinite, losses)) and len(calls) >= 3
