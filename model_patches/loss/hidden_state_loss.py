@@ -56,8 +56,7 @@ VERIFIED_MODEL_TYPES = frozenset(
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 _LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
 #: Keywords every causal-LM forward of Transformers takes or passes on, named or not.
-_STOCK_KEYWORDS = ("return_dict", "shift_labels", "past_key_values", "cache", "output_attentions",
-                   "output_hidden_states", "num_items_in_batch")
+_STOCK_KEYWORDS = ("return_dict", "past_key_values", "cache", "output_attentions", "output_hidden_states")
 #: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``).
 _LIBRARY_BATCH_KEYS = ("num_tokens",)
 _warned_types: set[str] = set()
