@@ -264,3 +264,40 @@ def test_packing_collator_under_sft_trainer_is_refused_without_the_patch_and_tra
         trainer.data_collator = collator
         losses = logged_losses(trainer)
     assert len(losses) == 3 and all(map(math.isfinite, losses)) and len(calls) >= 3
+
+
+def _distillation(student, out_dir, steps: int = 2):
+    import trl
+    from datasets import Dataset
+
+    from tests.support.trainers import token_rows, word_tokenizer
+
+    prompts = [" ".join(f"t{i}" for i in row) for row in token_rows(8, 6)]
+    args = trl.DistillationConfig(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=4, max_completion_length=8,
+        report_to="none", use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )
+    return trl.DistillationTrainer(model=student, teacher_model=tiny_loss_model("llama", seed=1), args=args,
+                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
+                                   processing_class=word_tokenizer())
+
+
+def test_distillation_trainer_routes_its_divergence_and_refuses_the_hidden_state_loss(tmp_path, rows, monkeypatch):
+    """TRL's DistillationTrainer never calls the student's loss: its chunked divergence runs on
+    functional_ce when routed (TRL's losses), and a hidden-state loss on the student is refused."""
+    from tests.support.trainers import logged
+
+    calls = []
+    real = functional_ce.linear_distillation_loss
+    monkeypatch.setattr(functional_ce, "linear_distillation_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = logged(_distillation(tiny_loss_model("llama"), tmp_path / "plain"), "loss", "grad_norm")
+    assert calls == []
+    with model_patches.enable_trl_heads():
+        routed = logged(_distillation(tiny_loss_model("llama"), tmp_path / "routed"), "loss", "grad_norm")
+    assert len(calls) >= 2 and len(routed) == len(plain) == 2
+    assert routed == [pytest.approx(row, rel=1e-5, abs=1e-6) for row in plain]
+
+    student = tiny_loss_model("llama")
+    with enable_hidden_state_loss(student):
+        with pytest.raises(ValueError, match="enable_hidden_state_loss is active.*enable_trl_heads"):
+            _distillation(student, tmp_path / "refused").train()
