@@ -30,6 +30,7 @@ SECTIONS = {
     "ce": "bench.ce_logits",
     "lce": "bench.ce_hidden",
     "logprobs": "bench.logprobs",
+    "trl": "bench.trl_heads",
     "dist": "bench.dist",
     "packing": "bench.packing",
     "ac": "bench.ac",
