@@ -26,7 +26,7 @@ per-row outputs and its gradient), add a :class:`~functional_ce.maths.LossMaths`
 public names) to ``maths.LOSSES`` and its name to ``spec.LOSS_NAMES``, and call :func:`loss_rows`
 from its public function with the spec :func:`functional_ce.inputs.make_spec` makes for it; a new
 option is a field of ``LossSpec``. Statistics combine across slices by their kind: ``"lse"`` (a
-logsumexp), ``"sum"`` (a target logit, a logit sum), ``"mean@j"`` (a mean under the slice's
+logsumexp), ``"sum"`` (a target logit, a logit sum), ``"max"`` (a largest logit), ``"mean@j"`` (a mean under the slice's
 softmax, such as the entropy's mean logit); a statistic that needs full-vocabulary values of
 another goes in a later pass. The driver, the operators and the vocabulary-parallel layout serve
 it unchanged (token log-probs and distillation were added so).
@@ -169,10 +169,10 @@ def _stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[
     no matmul (their statistics are 0)."""
     s = decode(spec)
     maths = LOSSES[s.loss]
-    if (x.shape[1] if weight is None else weight.shape[0]) == 0:  # an empty slice: lse -inf, sums 0
+    if (x.shape[1] if weight is None else weight.shape[0]) == 0:  # an empty slice: lse and max -inf, sums 0
         kinds = maths.kinds(s)
         kinds = [k for ks in kinds for k in ks] if s.stats_pass < 0 else kinds[s.stats_pass]
-        is_lse = torch.tensor([k == "lse" for k in kinds], device=x.device)
+        is_lse = torch.tensor([k in ("lse", "max") for k in kinds], device=x.device)
         return torch.where(is_lse, -torch.inf, 0.0).expand(x.shape[0], -1).contiguous()
     rows = ValidRows.of(labels, s.ignore_index) if s.form == "hidden" else ValidRows(x.shape[0], None)
     h, h2, y, p = (rows.take(t) for t in (x, x2, labels, prior))

@@ -94,6 +94,25 @@ _count = _in_range(_integer, 0, math.inf, "an int >= 0")
 _classes = _in_range(_integer, 1, math.inf, "an int >= 1", none=True)
 _flag = _one_of(True, False, text="a bool")
 _flag_or_none = _one_of(True, False, None, text="True, False or None")
+_finite = _in_range(_real, -math.inf, math.inf, "a finite number", open_low=True, open_high=True)
+
+#: The extra per-token statistics :func:`functional_ce.token_logprobs` returns on request (TRL's
+#: fused LM head's fields): whether the label is the first arg-max of the logits, ``log(sum_v
+#: p_v**2)``, and the mean of the tempered logits over the vocabulary. None carries a gradient.
+TOKEN_STATS = ("is_top1", "log_sum_sq_probs", "mean_logits")
+
+
+def _token_stats(name: str, value: object) -> tuple[str, ...]:
+    """A sequence of distinct names from :data:`TOKEN_STATS`, as a tuple in the order given."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple or list of names from {TOKEN_STATS}, got {value!r}")
+    names = tuple(value)
+    for n in names:
+        if n not in TOKEN_STATS:
+            raise ValueError(f"{name} must name statistics from {TOKEN_STATS}, got {n!r} in {value!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{name} names a statistic twice: {value!r}")
+    return names
 
 
 _CE, _LOGP, _KD = LOSS_NAMES
@@ -120,6 +139,10 @@ class LossSpec:
         softcap: (cross-entropy, log-probs) if set, logits are replaced by
             ``softcap * tanh(logits / softcap)`` first.
         temperature: (log-probs, distillation) logits are divided by it (after the softcap).
+        logit_scale: (log-probs) logits are multiplied by it first, before the softcap (Cohere's
+            ``logit_scale``, Granite's ``1 / logits_scaling``; TRL's fused head's multiplier).
+        stats: (log-probs) extra per-token statistics to return, names from :data:`TOKEN_STATS`
+            in the order wanted (none carries a gradient).
         return_entropy: (log-probs) also return each token's entropy.
         beta: (distillation) the generalized Jensen-Shannon divergence's mixing weight, in [0, 1].
         reduction: (cross-entropy, distillation) ``"mean"``, ``"sum"`` or ``"none"``.
@@ -150,6 +173,8 @@ class LossSpec:
     recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), losses=(_CE, _KD), maths=False)
     temperature: float = _option(1.0, _temperature, losses=(_LOGP, _KD))
     return_entropy: bool = _option(False, _flag, losses=(_LOGP,))
+    logit_scale: float = _option(1.0, _finite, losses=(_LOGP,))
+    stats: tuple[str, ...] = _option((), _token_stats, losses=(_LOGP,))
     beta: float = _option(0.5, _unit_interval, losses=(_KD,))
     loss: str = _option("cross_entropy", _one_of(*LOSS_NAMES), forms=())
     form: str = _option("logits", _one_of(*FORMS), forms=())

@@ -17,11 +17,23 @@ from .inputs import make_spec
 from .loss import _autocast_inputs, _check_linear_inputs, check_float, gathered_head, is_dtensor
 from .spec import keyword_signature
 
-LogProbs = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+LogProbs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
-def _split(rows: torch.Tensor, return_entropy: bool) -> LogProbs:
-    return tuple(rows.unbind(-1)) if return_entropy else rows  # type: ignore[return-value]
+def _split(rows: torch.Tensor, options: dict[str, Any]) -> LogProbs:
+    """``logp``, or ``(logp, [entropy], *stats)``: the extra statistics detached (no gradient),
+    ``is_top1`` as bool."""
+    return_entropy, stats = options.get("return_entropy", False), tuple(options.get("stats", ()))
+    if not (return_entropy or stats):
+        return rows
+    first = 2 if return_entropy else 1
+    if not stats:
+        return tuple(rows.unbind(-1))  # type: ignore[return-value]
+    # select, not unbind: unbind's backward stacks a zero for every unused column, which a
+    # DTensor result cannot mix with plain tensors
+    kept = tuple(rows[..., i] for i in range(first))
+    extra = tuple(rows[..., first + i].detach() for i in range(len(stats)))
+    return (*kept, *(c > 0.5 if name == "is_top1" else c for name, c in zip(stats, extra)))
 
 
 def _check_logits(name: str, logits: object) -> torch.Tensor:
@@ -57,14 +69,23 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
         ignore_index: label value whose outputs are 0 with zero gradient (default -100).
         mask: ``[...]`` bool or 0/1; zero positions are ignored like ``ignore_index``.
         return_entropy: also return the entropy of each token's distribution.
+        logit_scale: a finite multiplier of the logits applied first, before the softcap
+            (default 1.0; TRL's fused head's ``logit_scale``).
+        stats: names from ``("is_top1", "log_sum_sq_probs", "mean_logits")`` (default none):
+            extra per-token outputs, in the order named, none with a gradient: whether the label
+            is the first arg-max of ``z`` (bool; a tie with an earlier class does not count),
+            ``log(sum_v softmax(z)_v ** 2)`` (fp32) and ``z.mean(-1)`` (fp32). Each costs a
+            reduction over the chunk's classes (the logits are built once for all of them).
         chunk_size, compile_chunks: as in :func:`functional_ce.cross_entropy`.
 
     Returns:
-        ``logp`` fp32 ``[...]``, 0 where ignored; with ``return_entropy``, ``(logp, entropy)``.
+        ``logp`` fp32 ``[...]``, 0 where ignored; with ``return_entropy``, ``(logp, entropy)``;
+        with ``stats``, ``(logp, [entropy], *stats)``; every output 0 (False) where ignored.
 
     Tensor parallel: ``logits`` may be a DTensor ``Shard(-1)`` over the vocabulary (as in
     :func:`functional_ce.cross_entropy`): forward all-reduces 12 bytes per token (16 with the
-    entropy), backward communicates nothing, and the outputs are DTensors ``Replicate()``.
+    entropy; 4 more for ``mean_logits``, 8 more each for ``log_sum_sq_probs`` and ``is_top1``),
+    backward communicates nothing, and the outputs are DTensors ``Replicate()``.
 
     Raises:
         TypeError / ValueError: bad types, shapes, a temperature that is not finite and > 0, labels
@@ -73,12 +94,12 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
     logits = _check_logits("logits", logits)
     if is_dtensor(logits):
         rows = _vocab_parallel("logits", logits, None, None, labels, options, "token_logprobs")
-        return _split(rows, options.get("return_entropy", False))
+        return _split(rows, options)
     n_classes = logits.shape[-1]
     spec, tokens = make_spec("logits", options, labels, loss="token_logprobs", batch_shape=logits.shape[:-1],
                              n_classes=n_classes, device=logits.device)
     rows = driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
-    return _split(rows, spec.return_entropy)
+    return _split(rows, options)
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -95,11 +116,13 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16; weight ``[V, H]`` and bias ``[V]`` or
             None of its dtype and device. Under ``torch.autocast`` all three are cast first.
-        labels, temperature, softcap, ignore_index, mask, return_entropy, compile_chunks: as in
-            :func:`token_logprobs`; chunk_size as in :func:`functional_ce.linear_cross_entropy`.
+        labels, temperature, softcap, logit_scale, ignore_index, mask, return_entropy, stats,
+            compile_chunks: as in :func:`token_logprobs`; chunk_size as in
+            :func:`functional_ce.linear_cross_entropy`.
 
     Returns:
-        ``logp`` fp32 ``[...]`` (0 where ignored), or ``(logp, entropy)`` with ``return_entropy``.
+        ``logp`` fp32 ``[...]`` (0 where ignored), ``(logp, entropy)`` with ``return_entropy``,
+        ``(logp, [entropy], *stats)`` with ``stats``, as in :func:`token_logprobs`.
 
     Layouts as in :func:`functional_ce.linear_cross_entropy`: ``weight`` (and ``bias``) a DTensor
     ``Shard(0)`` with ``hidden`` a DTensor ``Replicate()`` or sequence-parallel (tensor
@@ -111,13 +134,13 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     _check_linear_inputs(hidden, weight, bias)
     if is_dtensor(hidden):
         rows = _vocab_parallel("hidden", hidden, weight, bias, labels, options, "token_logprobs")
-        return _split(rows, options.get("return_entropy", False))
+        return _split(rows, options)
     weight, bias = gathered_head(weight, bias)
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
                              n_classes=n_classes, device=hidden.device)
     rows = driver.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
-    return _split(rows, spec.return_entropy)
+    return _split(rows, options)
 
 
 def _check_pair(student: torch.Tensor, teacher: torch.Tensor, what: str) -> None:

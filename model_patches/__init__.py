@@ -24,6 +24,8 @@ _LAZY: dict[str, str] = {
     "enable_hidden_state_loss": "loss.hidden_state_loss",
     "causal_lm_token_logprobs": "loss.token_losses",
     "causal_lm_distillation_loss": "loss.token_losses",
+    "enable_trl_heads": "loss.trl_heads",
+    "trl_heads_status": "loss.trl_heads",
     # what they return and raise
     "PatchHandle": "registry",
     "HiddenStateLossHandle": "loss.hidden_state_loss",

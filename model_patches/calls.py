@@ -24,6 +24,8 @@ import sys
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = [
+    "holding_cell",
+    "unwrap_from_under",
     "parameters",
     "argument",
     "mask_arguments",
@@ -126,3 +128,30 @@ def model_modules(holding: Optional[Callable[[dict[str, Any]], bool]] = None) ->
         if name.startswith("transformers.models.") and ".modeling_" in name and module is not None
         and (holding is None or holding(getattr(module, "__dict__", {})))
     )
+
+
+def holding_cell(top: Any, ours: Any) -> Any:
+    """The one closure cell of ``top``'s function that holds ``ours`` (code installed after
+    ``ours`` that calls it), or None when ``top`` holds it in no cell or in several."""
+    function = getattr(top, "__func__", top)
+    cells = [c for c in (getattr(function, "__closure__", None) or ()) if _holds(c, ours)]
+    return cells[0] if len(cells) == 1 else None
+
+
+def unwrap_from_under(top: Any, ours: Any, below: Any) -> bool:
+    """Take ``ours`` out of a call chain in which ``top`` (code installed after ``ours``) calls it:
+    point the closure cell of ``top`` that holds ``ours`` at ``below`` (what ``ours`` wrapped)
+    and return True; ``top`` keeps working and now calls ``below``. False, with nothing changed,
+    when ``top`` holds ``ours`` any other way (then it cannot be unwrapped)."""
+    cell = holding_cell(top, ours)
+    if cell is None:
+        return False
+    cell.cell_contents = below
+    return True
+
+
+def _holds(cell: Any, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False

@@ -67,7 +67,8 @@ class PatchRecord:
     ``probe(original) -> None`` when ``original`` has the expected shape, else a short reason.
     ``build(original) -> replacement``. ``epoch`` groups records for readers
     (``"4.53-5.3"``); ``newest_tested`` overrides :data:`NEWEST_TESTED` for this record;
-    ``table`` names the table that made it (``"packing"``, ``"loss"``), for status functions.
+    ``table`` names the table that made it (``"packing"``, ``"loss"``), for status functions;
+    ``package`` the distribution whose version ``versions`` gates (``"transformers"``, ``"trl"``).
     """
 
     name: str
@@ -79,6 +80,7 @@ class PatchRecord:
     doc: str = ""
     newest_tested: str = ""
     table: str = ""
+    package: str = "transformers"
 
     def __post_init__(self) -> None:
         module, sep, attr = self.target.partition(":")
@@ -103,7 +105,7 @@ class PatchRecord:
 
     def tested_range(self) -> str:
         """Human-readable tested range: the gate and the newest tested release."""
-        return f"transformers {self.versions} (tested up to {self.newest_tested or NEWEST_TESTED})"
+        return f"{self.package} {self.versions} (tested up to {self.newest_tested or NEWEST_TESTED})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,7 @@ def _original(record: PatchRecord) -> Any:
 def _check(record: PatchRecord, version: str) -> tuple[str, str]:
     """(state, reason) for one record without patching: available / skipped / failed."""
     if not record.admits(version):
-        return "skipped", f"transformers {version} is outside {record.versions}"
+        return "skipped", f"{record.package} {version} is outside {record.versions}"
     try:
         original = _original(record)
     except LookupError as exc:
@@ -194,7 +196,7 @@ def _warn_if_newer(records: Sequence[PatchRecord], version: str) -> None:
             if key not in _WARNED_NEWER:
                 _WARNED_NEWER.add(key)
                 msg = (
-                    f"transformers {version} is newer than the newest release these patches were "
+                    f"{rec.package} {version} is newer than the newest release these patches were "
                     f"tested on ({newest}); the probes passed or are being run, but check "
                     "model_patches status and run the packing tests before trusting results"
                 )
@@ -243,30 +245,40 @@ class PatchHandle(Handle):
 
     ``remove()`` releases this handle's references; a target gets its original back when the
     last handle holding it is removed. Removing twice is a no-op. If something replaced a
-    patched target after this handle patched it (another library wrapping the wrapper),
-    ``remove()`` raises ``ValueError`` naming the target and changes nothing: putting the
-    original back would delete that later code, and it still calls this handle's replacement.
-    Remove the later patch first, then this handle.
+    patched target after this handle patched it (another library wrapping the wrapper), the
+    replacement is taken out from under that code when it holds the replacement in a closure
+    (it then calls the original); otherwise ``remove()`` raises ``ValueError`` naming the target
+    and changes nothing: putting the original back would delete that later code, which still
+    calls this handle's replacement. Remove the later patch first, then this handle. ``companions``: other handles that belong to
+    the same patch (hooks, guards), removed with it, last added first.
     """
 
-    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "") -> None:
+    def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "",
+                 companions: Sequence[Handle] = ()) -> None:
         self._targets = list(targets)
         self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
         self._what = what
+        self.companions: list[Handle] = list(companions)
 
     def remove(self) -> None:
         with _LOCK:
             super().remove()
 
     def _undo(self) -> None:
+        from .calls import holding_cell
+
         releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
         replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
-        if replaced:
+        stuck = [t for t in replaced if holding_cell(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]
+        if stuck:
             raise ValueError(
-                f"cannot remove {self!r}: {', '.join(replaced)} was replaced by other code after this "
-                "handle patched it, and that code still calls this handle's replacement; restoring the "
-                "original would delete it. Remove the later patch first, then call handle.remove()"
+                f"cannot remove {self!r}: {', '.join(stuck)} was replaced by other code after this "
+                "handle patched it, and that code holds this handle's replacement in a way that cannot be "
+                "unwrapped; restoring the original would delete it. Remove the later patch first, then "
+                "call handle.remove()"
             )
+        for companion in reversed(self.companions):
+            companion.remove()
         for target in reversed(self._targets):
             entry = _ACTIVE.get(target)
             if entry is None:
@@ -275,9 +287,14 @@ class PatchHandle(Handle):
             if entry[5] > 0:
                 continue
             del _ACTIVE[target]
-            record, owner, attr, original, _, _ = entry
-            setattr(owner, attr, original)
-            logger.info("restored %s (%s)", target, record.name)
+            record, owner, attr, original, replacement, _ = entry
+            current = getattr(owner, attr, None)
+            if current is replacement:
+                setattr(owner, attr, original)
+                logger.info("restored %s (%s)", target, record.name)
+            else:  # the later code stays and now calls the original
+                holding_cell(current, replacement).cell_contents = original
+                logger.info("unwrapped %s (%s) from under later code", target, record.name)
 
     def _describe(self) -> str:
         return f"{self._what + ': ' if self._what else ''}{len(self._targets)} patches"
@@ -301,10 +318,11 @@ def apply_records(
         failed = [(rec, reason) for rec, state, reason in checks if state == "failed"]
         if failed:
             lines = "\n".join(f"  - {r.name}: {why} [for {r.tested_range()}]" for r, why in failed)
+            package = failed[0][0].package
             msg = (
-                f"transformers {version} is installed, and {len(failed)} patch record(s) admitted "
+                f"{package} {version} is installed, and {len(failed)} patch record(s) admitted "
                 f"by their version gate cannot be applied:\n{lines}\n"
-                "Fix: install a Transformers release inside the tested range, or pass strict=False "
+                f"Fix: install a {package} release inside the tested range, or pass strict=False "
                 "to continue without these patches (their features are then unavailable)."
             )
             if strict:

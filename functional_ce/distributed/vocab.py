@@ -126,11 +126,11 @@ def combine_stats(stats: torch.Tensor, kinds: Sequence[str], vocab: VocabSlice) 
     """Full-vocabulary statistics ``[N, k]`` fp32 from this slice's, column ``i`` of kind ``kinds[i]``.
 
     Kinds (see :mod:`functional_ce.maths`): ``"lse"`` (a logsumexp), ``"sum"`` (a sum over the
-    slice) and ``"mean@j"`` (a mean under the slice's own softmax of the ``"lse"`` column ``j``;
+    slice), ``"max"`` (a maximum; its MAX is the full value) and ``"mean@j"`` (a mean under the slice's own softmax of the ``"lse"`` column ``j``;
     the full mean weights each slice's by its mass ``exp(lse_slice - lse)``). Two all-reduces over
-    the vocabulary's mesh dim: a MAX of the ``"lse"`` columns (4 bytes per row and column; none
-    without such a column), then one SUM of ``exp(lse_slice - max)``, the ``"sum"`` columns and the
-    mass-weighted means, 4 bytes per row and column. Cross-entropy: 12 bytes per row in all, 16
+    the vocabulary's mesh dim: a MAX of the ``"lse"`` and ``"max"`` columns (4 bytes per row and
+    column; none without such a column), then one SUM of ``exp(lse_slice - max)``, the ``"sum"``
+    columns and the mass-weighted means, 4 bytes per row and column. Cross-entropy: 12 bytes per row in all, 16
     with label smoothing; token log-probs 12, 16 with the entropy; distillation 16 for its
     logsumexps, then 4 or 8 for its divergences. No collective when the vocabulary is not sharded.
     """
@@ -139,20 +139,25 @@ def combine_stats(stats: torch.Tensor, kinds: Sequence[str], vocab: VocabSlice) 
     group = (vocab.mesh, vocab.mesh_dim)
     cols = stats.unbind(-1)
     lse = [i for i, kind in enumerate(kinds) if kind == "lse"]
+    maxed = [i for i, kind in enumerate(kinds) if kind == "max"]
     weighted_by = {i: int(kind.split("@")[1]) for i, kind in enumerate(kinds) if kind.startswith("mean@")}
-    unknown = [k for k in kinds if k not in ("lse", "sum") and not k.startswith("mean@")]
+    unknown = [k for k in kinds if k not in ("lse", "sum", "max") and not k.startswith("mean@")]
     if unknown:
-        raise ValueError(f"unknown statistic kinds {unknown}; expected 'lse', 'sum' or 'mean@<lse column>'")
+        raise ValueError(f"unknown statistic kinds {unknown}; expected 'lse', 'sum', 'max' or 'mean@<lse column>'")
     top: Sequence[torch.Tensor] = ()
-    if lse:  # a pass of plain sums (a divergence given the logsumexps) needs no MAX
-        top = funcol.all_reduce(torch.stack([cols[i] for i in lse], -1), "max", group)
-        top = torch.where(torch.isfinite(top), top, 0.0).unbind(-1)  # all -inf rows stay -inf, +inf rows +inf
+    if lse or maxed:  # a pass of plain sums (a divergence given the logsumexps) needs no MAX
+        top = funcol.all_reduce(torch.stack([cols[i] for i in lse + maxed], -1), "max", group).unbind(-1)
+        top = [torch.where(torch.isfinite(t), t, 0.0) if j < len(lse) else t  # all -inf rows stay -inf
+               for j, t in enumerate(top)]
     mass = {i: torch.exp(cols[i] - top[lse.index(i)]) for i in lse}  # this slice's share, up to a factor
     parts = [mass[i] if i in lse else cols[i] * mass[weighted_by[i]] if i in weighted_by else c
-             for i, c in enumerate(cols)]
-    summed = funcol.all_reduce(torch.stack(parts, -1), "sum", group).unbind(-1)
+             for i, c in enumerate(cols) if i not in maxed]
+    kept = [i for i in range(len(cols)) if i not in maxed]
+    summed = dict(zip(kept, funcol.all_reduce(torch.stack(parts, -1), "sum", group).unbind(-1)))
 
     def full(i: int, s: torch.Tensor) -> torch.Tensor:
+        if i in maxed:
+            return top[len(lse) + maxed.index(i)]
         if i in lse:
             return top[lse.index(i)] + torch.log(s)
         if i in weighted_by:  # sum_slices(mass * mean) / sum_slices(mass); 0 where no class has mass
@@ -160,7 +165,7 @@ def combine_stats(stats: torch.Tensor, kinds: Sequence[str], vocab: VocabSlice) 
             return torch.where(total > 0, s / torch.where(total > 0, total, 1.0), 0.0)
         return s
 
-    return torch.stack([full(i, s) for i, s in enumerate(summed)], -1)
+    return torch.stack([full(i, summed.get(i)) for i in range(len(cols))], -1)
 
 
 def _check_hidden_layout(hidden: object, weight: DTensor, vocab: VocabSlice) -> DTensor:

@@ -6,8 +6,9 @@ each input, ``[c, V_slice]`` in the input dtype, the columns from ``spec.vocab_s
 - ``passes``: the per-row statistics, pass by pass, ``(zs, labels, prior, spec) -> [c, k]`` fp32,
   ``prior`` the previous passes' full-vocabulary statistics (None for the first). Column ``i`` of
   a pass has the kind ``kinds(spec)[pass][i]`` that says how vocabulary slices combine: ``"lse"``
-  (a logsumexp, combined by a logsumexp), ``"sum"`` (summed) or ``"mean@j"`` (a mean under the
-  slice's softmax of the pass's ``"lse"`` column ``j``, combined weighted by each slice's mass).
+  (a logsumexp, combined by a logsumexp), ``"sum"`` (summed), ``"max"`` (a maximum, -inf over
+  no class) or ``"mean@j"`` (a mean under the slice's softmax of the pass's ``"lse"`` column
+  ``j``, combined weighted by each slice's mass).
   A second pass is for statistics that need the first pass's full-vocabulary values.
 - ``rows(stats, labels, spec) -> (rows [c] or [c, m], saved [c, j])``: each row's output from the
   full-vocabulary statistics, and the fp32 values its gradient needs.
@@ -25,7 +26,7 @@ import torch
 from ..spec import LossSpec
 from .cross_entropy import ce_grad, ce_rows, ce_stats
 from .distillation import kd_divergence, kd_grad, kd_lse, kd_rows
-from .token_logprobs import logp_grad, logp_rows, logp_stats
+from .token_logprobs import logp_grad, logp_kinds, logp_rows, logp_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class LossMaths:
 
     #: The statistics, pass by pass: ``(zs, labels, prior, spec) -> [c, k]``.
     passes: tuple[Callable[..., torch.Tensor], ...]
-    #: Per pass, the kind of each column: ``"lse"``, ``"sum"``, ``"mean@i"``.
+    #: Per pass, the kind of each column: ``"lse"``, ``"sum"``, ``"max"``, ``"mean@i"``.
     kinds: Callable[[LossSpec], tuple[tuple[str, ...], ...]]
     rows: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     grad: Callable[..., tuple[Optional[torch.Tensor], ...]]
@@ -68,7 +69,7 @@ LOSSES = {
         (("cross_entropy", f"{_TORCH}.cross_entropy"), ("linear_cross_entropy", f"F.linear + {_TORCH}.cross_entropy")),
     ),
     "token_logprobs": LossMaths(
-        (logp_stats,), lambda spec: (("lse", "sum", "mean@0")[:3 if spec.return_entropy else 2],),
+        (logp_stats,), logp_kinds,
         logp_rows, logp_grad,
         (("token_logprobs", f"{_TORCH}.log_softmax"), ("linear_token_logprobs", f"F.linear + {_TORCH}.log_softmax")),
     ),

@@ -9,9 +9,11 @@ from ..spec import LossSpec
 
 
 def scaled(z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
-    """The logits the loss sees, in fp32: soft-capped when ``spec.softcap``, then divided by
-    ``spec.temperature``."""
+    """The logits the loss sees, in fp32: times ``spec.logit_scale``, soft-capped when
+    ``spec.softcap``, then divided by ``spec.temperature``."""
     x = z.float()
+    if spec.logit_scale != 1.0:
+        x = x * spec.logit_scale
     if spec.softcap is not None:
         x = torch.tanh(x / spec.softcap) * spec.softcap
     return x if spec.temperature == 1.0 else x / spec.temperature
@@ -20,9 +22,12 @@ def scaled(z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
 def chain(grad: torch.Tensor, z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """``grad`` w.r.t. :func:`scaled` ``(z)`` turned into the gradient w.r.t. ``z`` (fp32)."""
     if spec.softcap is not None:
-        t = torch.tanh(z.float() / spec.softcap)
+        y = z.float() if spec.logit_scale == 1.0 else z.float() * spec.logit_scale
+        t = torch.tanh(y / spec.softcap)
         grad = grad * (1.0 - t * t)
-    return grad if spec.temperature == 1.0 else grad / spec.temperature
+    if spec.temperature != 1.0:
+        grad = grad / spec.temperature
+    return grad if spec.logit_scale == 1.0 else grad * spec.logit_scale
 
 
 def target_logit(x: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,4 +3,5 @@
 - :mod:`.chunked_loss`: ``enable_chunked_loss`` routes Transformers' ``ForCausalLMLoss``.
 - :mod:`.hidden_state_loss`: ``causal_lm_loss`` and ``enable_hidden_state_loss`` (no logits).
 - :mod:`.token_losses`: ``causal_lm_token_logprobs`` and ``causal_lm_distillation_loss``.
+- :mod:`.trl_heads`: ``enable_trl_heads`` routes TRL's fused LM heads and chunked divergence.
 """

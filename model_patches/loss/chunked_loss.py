@@ -30,6 +30,8 @@ import functional_ce
 
 from ..calls import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
+from .loss_use import LossUseWatch, loss_reached, trainer_fused_head
+from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
 
@@ -62,6 +64,7 @@ def chunked_causal_lm_loss(
     Returns:
         fp32 scalar loss.
     """
+    loss_reached()
     if shift_labels is None:
         if labels is None:
             raise ValueError("the causal-LM loss needs labels or shift_labels, got neither")
@@ -112,14 +115,49 @@ LOSS_RECORDS: tuple[PatchRecord, ...] = (
 )
 
 
-def enable_chunked_loss(*, strict: bool = True) -> PatchHandle:
+#: What to do instead when a trainer's own head computes the loss.
+_TRAINER_HEAD_FIX = (
+    "Fix: model_patches.enable_trl_heads() routes TRL's heads through functional_ce (before or after the "
+    "trainer is built); or remove the chunked-loss handle"
+)
+
+
+def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool = True) -> PatchHandle:
     """Route ``model(..., labels=...)``'s causal-LM loss through ``functional_ce.cross_entropy``.
 
     Returns the undo handle (also a context manager). Applying twice is a no-op. A model with its
     own ``loss_function`` attribute set, or a custom ``loss_type`` outside the mapping's
     ``ForCausalLMLoss`` entries, is not affected.
+
+    Used or refused: TRL's trainers compute their loss in TRL's own fused LM head and chunked
+    divergence, never through ``LOSS_MAPPING``; while this handle is active those kernels refuse
+    with the fix (:func:`model_patches.enable_trl_heads`), unless that call routes them through
+    ``functional_ce``. With ``model=``, a trainer head already installed on it is refused now, and
+    a training call of it with labels that finishes without reaching the routed loss (a
+    replaced forward that computes its own) is reported once (``UserWarning`` and a log record).
+
+    Args:
+        model: optional ``*ForCausalLM`` to check and watch (the patch itself is process-wide).
+        strict: a record that cannot be applied raises (default) instead of being logged.
+
+    Raises:
+        PatchError: with ``strict``, a record admitted by its version gate cannot be applied.
+        ValueError: ``model`` carries a trainer's own fused LM head.
     """
-    return apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
+    head = trainer_fused_head(model) if model is not None else None
+    if head is not None:
+        raise ValueError(
+            f"enable_chunked_loss: {head} is installed on {type(model).__name__} and computes its training loss "
+            f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {_TRAINER_HEAD_FIX}"
+        )
+    handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
+    handle.companions.append(refuse_unrouted_trl_heads(
+        "enable_chunked_loss routes Transformers' LOSS_MAPPING, which TRL's fused LM head and chunked divergence "
+        f"never call: this step would run TRL's own kernel and leave the chunked loss silently unused. {_TRAINER_HEAD_FIX}"
+    ))
+    if model is not None:
+        handle.companions.append(LossUseWatch(model, "enable_chunked_loss", _TRAINER_HEAD_FIX))
+    return handle
 
 
 def chunked_loss_status() -> StatusTable:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import typing
 from typing import Any, Optional
 
 import torch
@@ -37,7 +38,10 @@ import torch.nn.functional as F
 import functional_ce
 from functional_ce.spec import ChunkSize
 
+from ..calls import unwrap_from_under
 from ..registry import Handle
+from .loss_use import FUSED_HEAD_KEYWORD, LossUseWatch, loss_reached, trainer_fused_head
+from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 
@@ -51,6 +55,10 @@ VERIFIED_MODEL_TYPES = frozenset(
 #: Config attributes of logit transforms this function does not reproduce.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 _LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
+#: Keywords every causal-LM forward of Transformers takes or passes on, named or not.
+_STOCK_KEYWORDS = ("return_dict", "past_key_values", "cache", "output_attentions", "output_hidden_states")
+#: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``).
+_LIBRARY_BATCH_KEYS = ("num_tokens",)
 _warned_types: set[str] = set()
 
 
@@ -220,6 +228,7 @@ def _loss_from_decoder(
 ) -> torch.Tensor:
     """The decoder's last hidden state, then the hidden-state loss on the output embedding."""
     config = model.config
+    loss_reached()
     hidden = _last_hidden_state(decoder, inputs)
     shift_labels = _shifted_labels(labels, shift_labels, ignore_index, hidden.device)
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -242,31 +251,88 @@ def _loss_from_decoder(
     return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
 
 
+def _model_keywords(model: nn.Module) -> Optional[frozenset[str]]:
+    """The keywords ``model``'s own class forward names, plus the keys of its typed ``**kwargs``
+    (``Unpack[TransformersKwargs]``) and the ones every causal-LM forward takes; None when its
+    ``**kwargs`` is untyped (any keyword goes to the decoder, as the model's own forward does)."""
+    try:
+        params = inspect.signature(_module_class(model).forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+    var_keyword = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
+    if var_keyword is not None:
+        typed = typing.get_args(var_keyword.annotation)
+        keys = getattr(typed[0], "__annotations__", None) if typed else None
+        if not isinstance(keys, dict):
+            return None
+        names |= set(keys)
+    return frozenset(names | set(_LOSS_ONLY_KEYS) | set(_STOCK_KEYWORDS) | set(_LIBRARY_BATCH_KEYS))
+
+
+def _refuse_unknown_keywords(model: nn.Module, known: Optional[frozenset[str]], kwargs: dict[str, Any]) -> None:
+    """The loss path runs the decoder, not the forward that was patched: a keyword that forward
+    does not name belongs to code this path skips (a wrapper below the patch, a trainer's fused
+    head), and is refused by name rather than dropped."""
+    unknown = sorted(k for k in kwargs if k not in known) if known is not None else []
+    if not unknown:
+        return
+    owner = (
+        f" ({FUSED_HEAD_KEYWORD!r} asks a trainer's fused LM head for its output; that head would compute the "
+        "loss itself: use model_patches.enable_trl_heads() instead of this patch)"
+        if FUSED_HEAD_KEYWORD in unknown else ""
+    )
+    raise ValueError(
+        f"enable_hidden_state_loss: {type(model).__name__}(...) got keyword(s) {unknown} that its forward does not "
+        f"take{owner}. The hidden-state loss runs the decoder directly, so it would skip whatever code they are "
+        "for. Remove them from the batch, or remove the patch (handle.remove()) if another wrapper needs them."
+    )
+
+
 class HiddenStateLossHandle(Handle):
     """Undo handle of :func:`enable_hidden_state_loss`; also a context manager.
 
     Removing twice is a no-op. If the model's ``forward`` was replaced after the patch (a
-    trainer or another library wrapping it), ``remove()`` raises ``ValueError`` and changes
-    nothing: putting the original back would delete that later code. Remove it first.
+    trainer or another library wrapping it, such as TRL's fused head), ``remove()`` takes the
+    patch out from under that code when it holds the patched forward in a closure (the usual
+    way of wrapping: it then calls the forward the patch wrapped); otherwise it raises
+    ``ValueError`` and changes nothing, since putting the original back would delete that code.
     """
 
-    def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any) -> None:
+    def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any,
+                 below: Any, companions: tuple[Handle, ...] = ()) -> None:
         self._model, self._had_own, self._own, self._replacement = model, had_own_forward, own_forward, replacement
+        self._below = below  # what the replacement calls: the model's forward before the patch
+        self._companions = companions  # the call watch and the TRL-head refusal, removed with the patch
 
     def _undo(self) -> None:
-        if self._model.__dict__.get("forward") is not self._replacement:
+        top = self._model.__dict__.get("forward")
+        unwrapped = top is not self._replacement and unwrap_from_under(top, self._replacement, self._below)
+        if top is not self._replacement and not unwrapped:
             raise ValueError(
                 f"cannot remove {self!r}: {type(self._model).__name__}.forward was replaced by other code "
-                "after enable_hidden_state_loss patched it; restoring the original would delete that code. "
+                "after enable_hidden_state_loss patched it, and that code holds the patched forward in a way "
+                "that cannot be unwrapped; restoring the original would delete that code. "
                 "Remove the later patch first, then call handle.remove()"
             )
-        if self._had_own:
+        for companion in reversed(self._companions):
+            companion.remove()
+        if unwrapped:  # the later code stays installed and now calls what this patch wrapped
+            logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
+        elif self._had_own:
             self._model.forward = self._own
         else:
             self._model.__dict__.pop("forward", None)
 
     def _describe(self) -> str:
         return f"{type(self._model).__name__}.forward"
+
+
+#: What to do instead when a trainer's own head computes the loss.
+_TRAINER_HEAD_FIX = (
+    "Fix: model_patches.enable_trl_heads() routes TRL's head through functional_ce (the same hidden-state "
+    "loss, before or after the trainer is built); remove this patch (handle.remove())"
+)
 
 
 def enable_hidden_state_loss(
@@ -278,7 +344,18 @@ def enable_hidden_state_loss(
     ``shift_labels``, the forward returns ``CausalLMOutputWithPast(loss=..., logits=None)``: no
     logits are built (``num_items_in_batch``, as Hugging Face ``Trainer`` passes it for gradient
     accumulation, divides the summed loss as in Transformers). Every other call (evaluation,
-    ``torch.no_grad()``, generation, no labels) runs the model's own forward unchanged.
+    ``torch.no_grad()``, generation, no labels) runs the model's own forward unchanged, with every
+    keyword passed through. In the loss path a keyword the model's forward does not take is
+    refused by name (the path runs the decoder, so it would skip the code the keyword is for).
+
+    Used or refused: a trainer's own fused LM head (TRL's ``add_fused_lm_head``, which every TRL
+    trainer installs) computes the loss without calling this patch. Installed already, it is
+    refused here; installed later, the first call that asks it for its output
+    (``fused_lm_head=True``) is refused, unless :func:`model_patches.enable_trl_heads` routes
+    that head through ``functional_ce``; so are TRL's fused kernels while TRL's heads are not
+    routed (the distillation trainer calls them without calling the model). Any other training
+    call with labels that finishes without reaching this loss is reported once per model
+    (``UserWarning`` and a log record).
 
     Args:
         model: a ``*ForCausalLM`` that :func:`causal_lm_loss` supports (checked now).
@@ -289,19 +366,25 @@ def enable_hidden_state_loss(
 
     Raises:
         ValueError: a model :func:`causal_lm_loss` cannot run (named with the reason), one whose
-        config asks for router auxiliary losses, or one already patched.
+        config asks for router auxiliary losses, one already patched, or one whose loss a
+        trainer's fused head computes.
     """
-    _head_and_decoder(model)
+    _head_and_decoder(model, "enable_hidden_state_loss")
     if getattr(model.config, "output_router_logits", False):
         _refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
                 "loss, which this function does not add", "Set config.output_router_logits=False")
     if getattr(model.__dict__.get("forward"), "_hidden_state_loss", False):
         raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
                          "handle first")
+    head = trainer_fused_head(model)
+    if head is not None:
+        _refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
+                "states itself, so this patch would never run", _TRAINER_HEAD_FIX, "enable_hidden_state_loss")
     had_own = "forward" in model.__dict__
     own = model.__dict__.get("forward")
     original = model.forward
     signature = inspect.signature(original)
+    known = _model_keywords(model)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:
@@ -309,6 +392,7 @@ def enable_hidden_state_loss(
         has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
         if not (has_labels and model.training and torch.is_grad_enabled()):
             return original(**kwargs)
+        _refuse_unknown_keywords(model, known, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         _IN_MODEL_CALL.active = True
         try:
@@ -325,8 +409,16 @@ def enable_hidden_state_loss(
     # whether to pass num_items_in_batch.
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward._hidden_state_loss = True  # type: ignore[attr-defined]
+    forward.__wrapped_forward__ = original  # type: ignore[attr-defined]
+    companions = (
+        refuse_unrouted_trl_heads(
+            f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
+            f"loss from hidden states instead, so the patch is silently unused. {_TRAINER_HEAD_FIX}"
+        ),
+        LossUseWatch(model, "enable_hidden_state_loss", _TRAINER_HEAD_FIX),
+    )
     model.forward = forward
-    return HiddenStateLossHandle(model, had_own, own, forward)
+    return HiddenStateLossHandle(model, had_own, own, forward, original, companions)
 
 
 def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -3,15 +3,19 @@
 Rows are filled by first-fit-decreasing bin packing. Each row holds whole documents one after
 another, then padding; the attention mask numbers the documents ``1, 2, ...`` and marks padding
 0, which :func:`model_patches.enable_packing` turns into "same document, causal, not padding"
-on every attention backend. Needs only torch (no Transformers import).
+on every attention backend. Stock Transformers reads that mask as 0/1 instead (documents attend
+to each other, silently), so the collator refuses to build batches while the packing patches are
+not live in the process that will run the model. Needs only torch (no Transformers import).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Mapping, Sequence, Union
 
 import torch
+from torch.utils.data import get_worker_info
 
 __all__ = ["PackingCollator", "first_fit_decreasing"]
 
@@ -57,11 +61,27 @@ class PackingCollator:
     - ``labels``: the labels, with -100 on each document's first label and on padding, so no
       position learns to predict the next document's first token (HF models shift labels);
     - ``attention_mask``: 1, 2, ... per document within the row, 0 on padding;
-    - ``position_ids``: 0, 1, ... restarting at each document, 0 on padding.
+    - ``position_ids``: 0, 1, ... restarting at each document, 0 on padding;
+    - ``num_tokens`` (with ``return_num_tokens=True``): ``[rows]``, the real (non-padding) tokens
+      of each row; ``batch["num_tokens"].sum()`` is the batch's token count. Summing the indexed
+      mask instead counts document numbers (TRL's ``num_tokens`` metric does that). Per row, it
+      stays right when a batch is split along its rows (Accelerate's ``split_batches``). Off by
+      default: under ``Trainer`` every batch key reaches ``model(**batch)``; Transformers 5.x
+      models take it in ``**kwargs`` and ignore it, but some 4.x forwards (bloom, bart, mbart,
+      pegasus, ... on 4.57) raise on an unknown keyword.
 
     Documents longer than ``max_length`` are truncated (``overlong="truncate"``) or cut into
     ``max_length`` pieces that become separate documents (``"split"``), with a logged warning;
     ``"error"`` raises instead. Empty documents are dropped with a warning.
+
+    Stock Transformers (no :func:`model_patches.enable_packing`) reads the indexed mask as 0/1 on
+    every attention backend, so documents would attend to each other without an error. A call
+    therefore raises ``ValueError`` unless the packing patches are live
+    (:func:`model_patches.packing.enable.packing_enabled`) in the process that runs the model:
+    this one, or, in a DataLoader worker started with ``spawn``/``forkserver``, the process that
+    sent the collator there (its state is captured when the collator is pickled; ``fork``
+    workers inherit it). ``require_packing=False`` turns the check off, for batches that never
+    reach an unpatched model (counting tokens, writing batches for another process).
     """
 
     def __init__(
@@ -71,6 +91,8 @@ class PackingCollator:
         pad_token_id: int = 0,
         overlong: str = "truncate",
         label_pad_id: int = -100,
+        require_packing: bool = True,
+        return_num_tokens: bool = False,
     ) -> None:
         if not isinstance(max_length, int) or max_length <= 0:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
@@ -80,6 +102,35 @@ class PackingCollator:
         self.pad_token_id = pad_token_id
         self.overlong = overlong
         self.label_pad_id = label_pad_id
+        self.require_packing = require_packing
+        self.return_num_tokens = return_num_tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to a spawned DataLoader worker: the model runs here, so this process's state counts.
+        state = dict(self.__dict__)
+        state["_sender"] = (os.getpid(), _packing_enabled()) if self.require_packing else None
+        return state
+
+    def _check_packing(self) -> None:
+        # In a DataLoader worker that unpickled this collator, the model runs in the sender.
+        sender = self.__dict__.get("_sender")
+        in_worker = sender is not None and sender[0] != os.getpid() and get_worker_info() is not None
+        if (sender[1] if in_worker else _packing_enabled()):
+            return
+        where = (
+            "in the process that sent this collator to its DataLoader worker (spawn/forkserver), "
+            "when the DataLoader started iterating" if in_worker else "in this process"
+        )
+        raise ValueError(
+            f"PackingCollator: the packing patches are not active {where}. Stock Transformers reads "
+            "the indexed attention_mask (1, 2, ... per document) as 0/1, so packed documents would "
+            "attend to each other on every attention backend (eager, sdpa, flex_attention, "
+            "flash_attention_2/3) without any error. Fix: call model_patches.enable_packing() (or "
+            "enable_packing(model=model)) before the first batch and keep its handle alive while "
+            "training (with spawn workers: before iterating the DataLoader). If these batches never "
+            "reach a model without the patches (counting tokens, saving them), pass "
+            "PackingCollator(..., require_packing=False)"
+        )
 
     def _documents(self, examples: Sequence[Example]) -> list[tuple[list[int], list[int]]]:
         docs: list[tuple[list[int], list[int]]] = []
@@ -129,6 +180,8 @@ class PackingCollator:
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
         if examples is None or len(examples) == 0:
             raise ValueError("PackingCollator got no examples; pass a non-empty list of token-id lists or dicts")
+        if self.require_packing:
+            self._check_packing()
         docs = self._documents(examples)
         if not docs:
             raise ValueError(f"PackingCollator got {len(examples)} example(s), all empty; nothing to pack")
@@ -148,10 +201,20 @@ class PackingCollator:
                 mask[r, start:end] = number
                 positions[r, start:end] = torch.arange(len(ids))
                 start = end
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "position_ids": positions}
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "position_ids": positions}
+        if self.return_num_tokens:
+            batch["num_tokens"] = (mask != 0).sum(dim=1)
+        return batch
 
     @staticmethod
     def efficiency(batch: Mapping[str, torch.Tensor]) -> float:
-        """Real tokens / row slots of a collated batch."""
+        """Real tokens / row slots of a collated batch (``num_tokens`` where the batch has it)."""
         mask = batch["attention_mask"]
-        return float((mask != 0).sum()) / float(mask.numel())
+        tokens = batch["num_tokens"].sum() if "num_tokens" in batch else (mask != 0).sum()
+        return float(tokens) / float(mask.numel())
+
+
+def _packing_enabled() -> bool:
+    from .enable import packing_enabled  # the registry's state; imports no Transformers
+
+    return packing_enabled()

@@ -17,9 +17,9 @@ from ..calls import model_modules
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
 from .aux_loss import AUX_LOSS_NAME
 from .coverage import CAPABILITIES, refusals_for_model
-from .table import BUILDERS, COVERED_FAMILIES, RECURRENT, is_packing_record, packing_records
+from .table import BUILDERS, COVERED_FAMILIES, MASK_PATH_TARGETS, RECURRENT, is_packing_record, packing_records
 
-__all__ = ["enable_packing", "packing_status", "check_model"]
+__all__ = ["enable_packing", "packing_status", "check_model", "packing_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,15 @@ def enable_packing(
             handle.remove()
             raise
     return handle
+
+
+def packing_enabled() -> bool:
+    """Whether this process holds, through live handles, every packing record an indexed mask needs
+    (:data:`.table.MASK_PATH_TARGETS`: the uncovered-module guard, ``masking_utils``' builders and
+    flash's ``cu_seqlens``). :class:`~model_patches.PackingCollator` refuses to build batches
+    without them."""
+    live = {r.target for r in live_records() if is_packing_record(r)}
+    return all(t in live for t in MASK_PATH_TARGETS)
 
 
 def _model_modules(model: torch.nn.Module) -> list[str]:

@@ -64,7 +64,10 @@ from .mask_builders import (
     unpad_probe,
 )
 
-__all__ = ["Row", "PACKING_TABLE", "COVERED_FAMILIES", "MOE_FAMILIES", "EPOCHS", "packing_records", "is_packing_record"]
+__all__ = [
+    "Row", "PACKING_TABLE", "COVERED_FAMILIES", "MOE_FAMILIES", "EPOCHS", "MASK_PATH_TARGETS", "packing_records",
+    "is_packing_record",
+]
 
 #: Model families covered by name (tested: llama, qwen3, mistral, gemma3, qwen3_moe). Any other
 #: model module already imported when ``enable_packing()`` runs and using the same builders is
@@ -89,6 +92,11 @@ CU = "transformers.cache_utils"
 BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 RECURRENT = "create_recurrent_attention_mask"
 ALIBI = "build_alibi_tensor"
+#: What an indexed mask needs on every backend, in every epoch: the guard that refuses uncovered
+#: modules, masking_utils' builders (eager / sdpa / flex) and flash's per-document cu_seqlens.
+MASK_PATH_TARGETS: tuple[str, ...] = (
+    f"{MU}:_preprocess_mask_arguments", *(f"{MU}:{name}" for name in BUILDERS), f"{FU}:_get_unpad_data",
+)
 
 #: What a row's probe or builder is made from: the expanded fields (``target``, ``module``, ...).
 Fields = dict[str, str]

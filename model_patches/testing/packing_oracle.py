@@ -57,7 +57,9 @@ def packed_batch(seed: int = 0, max_length: int = 12, lengths: tuple[int, ...] =
     """A collated batch (batch > 1, padding in the last row) of random token documents."""
     g = torch.Generator().manual_seed(seed)
     docs = [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
-    return PackingCollator(max_length)(docs)
+    # The oracle runs this batch on stock Transformers too (the negative control that must leak),
+    # so it is built whether or not the packing patches are live.
+    return PackingCollator(max_length, require_packing=False)(docs)
 
 
 def documents(batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:

@@ -62,24 +62,14 @@ def test_trainer_refusal_names_the_training_argument_and_following_it_trains(tmp
 
 
 def test_sft_trainer_defaults_are_refused_and_the_named_argument_trains(tmp_path) -> None:
-    trl = pytest.importorskip("trl")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    pytest.importorskip("trl")
+    from tests.support.trainers import sft_trainer
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, 128)}}
-    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>")
-    from datasets import Dataset
-
-    data = Dataset.from_dict({"input_ids": [row["input_ids"].tolist() for row in _dataset()]})
+    rows = [row["input_ids"].tolist() for row in _dataset()]
     argument = trainer_checkpointing_argument()
 
     def sft(model, out, **extra):
-        args = trl.SFTConfig(output_dir=str(tmp_path / out), max_steps=STEPS, per_device_train_batch_size=4,
-                             logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                             disable_tqdm=True, max_length=32, seed=0, **extra)
-        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        return sft_trainer(model, tmp_path / out, rows, steps=STEPS, **extra)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)

@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import functional_ce
 from tests.functional_ce.ce_cases import ROUNDING
-from tests.support.reference import reference_generalized_jsd, reference_token_logprobs
+from tests.support.reference import reference_generalized_jsd, reference_token_logprobs, reference_token_stats
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 CHUNKS = st.sampled_from([None, "auto", 1, 5, 16])
@@ -151,6 +151,76 @@ def test_masked_out_classes_give_finite_entropy_and_divergence():
     assert torch.isfinite(kd) and abs(kd.item()) < 1e-6
 
 
+STATS = st.lists(st.sampled_from(functional_ce.spec.TOKEN_STATS), unique=True, max_size=3).map(tuple)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), v=st.integers(2, 70), dtype=DTYPES, chunk=CHUNKS, seed=st.integers(0, 2**16),
+       temperature=st.sampled_from([1.0, 0.6, 1.7]), softcap=st.sampled_from([None, 4.0]),
+       logit_scale=st.sampled_from([1.0, 0.5, 1.5]), stats=STATS, entropy=st.booleans(),
+       form=st.sampled_from(["logits", "hidden"]), ignored=st.floats(0.0, 0.5))
+def test_extra_statistics_and_logit_scale_match_fp64(n, v, dtype, chunk, seed, temperature, softcap, logit_scale,
+                                                     stats, entropy, form, ignored):
+    """is_top1, log(sum p**2) and the mean tempered logit (TRL's fused-head fields), in the order
+    asked, after the log-probs (and entropy): the fp64 definitions, no gradient; the log-probs'
+    and entropy's values and gradients are unchanged by asking for them."""
+    g = torch.Generator().manual_seed(seed)
+    h = 8
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / 2).to(dtype).requires_grad_()
+    ref_logits = hidden.double() @ weight.double().T
+    labels = torch.randint(0, v, (n,), generator=g)
+    top = torch.rand(n, generator=g) < 0.5  # half the labels are the arg-max: is_top1 is True there
+    labels = torch.where(top, ref_logits.argmax(-1), labels)
+    labels[torch.rand(n, generator=g) < ignored] = -100
+    kw = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale, return_entropy=entropy,
+              stats=stats, chunk_size=chunk, compile_chunks=False)
+    if form == "logits":
+        logits = ref_logits.detach().to(dtype).requires_grad_()
+        leaves, ref_logits = (logits,), logits
+        out = functional_ce.token_logprobs(logits, labels, **kw)
+    else:
+        leaves = (hidden, weight)
+        out = functional_ce.linear_token_logprobs(hidden, weight, labels, **kw)
+    scaling = dict(temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+    ref = list(reference_token_logprobs(ref_logits, labels, **scaling))[: 1 + entropy]
+    ref += reference_token_stats(ref_logits, labels, stats, **scaling)
+    out = out if isinstance(out, tuple) else (out,)
+    assert len(out) == len(ref) == 1 + entropy + len(stats)
+    scale = 1.0 if form == "logits" else 4.0
+    z = torch.sort(ref_logits.detach().double(), -1, descending=True).values
+    clear = (z[:, 0] - z[:, 1] > 1e-2) if v > 1 else torch.ones(n, dtype=torch.bool)  # no near-tie to round away
+    for name, got, want in zip(("logp", "entropy")[: 1 + entropy] + stats, out, ref):
+        assert got.shape == (n,)
+        if name == "is_top1":
+            assert got.dtype == torch.bool and not got.requires_grad
+            assert torch.equal(got[clear], want[clear]), name
+            continue
+        assert got.dtype == torch.float32
+        _close(got, want, _tol(dtype, scale) * (1 + abs(logit_scale) * 4), name)
+        assert got.requires_grad == (name in ("logp", "entropy")), name
+    up = [torch.randn(n, generator=g) for _ in range(1 + entropy)]
+    got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(out, up)), leaves)
+    want = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, up)), leaves)
+    for a, b in zip(got, want):
+        _close(a, b, _tol(dtype, 4 * scale) * max(1.0, b.abs().max().item()), "gradient")
+
+
+def test_is_top1_is_the_first_arg_max_like_torch_argmax():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [1.0, 3.0, 3.0, 0.0], [5.0, 1.0, 2.0, 5.0]])
+    labels = torch.tensor([1, 2, 0])
+    logp, top1 = functional_ce.token_logprobs(logits, labels, stats=("is_top1",))
+    assert top1.tolist() == [True, False, True]
+    assert torch.equal(top1, logits.argmax(-1) == labels)
+
+
+def test_without_the_new_keywords_the_return_types_are_unchanged():
+    logits, labels = torch.randn(3, 9), torch.randint(0, 9, (3,))
+    assert isinstance(functional_ce.token_logprobs(logits, labels, stats=()), torch.Tensor)
+    assert len(functional_ce.token_logprobs(logits, labels, return_entropy=True, stats=[])) == 2
+    assert len(functional_ce.token_logprobs(logits, labels, stats=["mean_logits"])) == 2
+
+
 def test_entropy_default_is_off_and_shapes_follow_the_labels():
     logits, labels = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
     logp = functional_ce.token_logprobs(logits, labels)
@@ -173,6 +243,11 @@ def test_double_backward_raises():
     (lambda x, y: functional_ce.token_logprobs(x, y.float()), "labels", TypeError),
     (lambda x, y: functional_ce.token_logprobs(x, y + 7), "labels", ValueError),
     (lambda x, y: functional_ce.token_logprobs(x, y, label_smoothing=0.1), "label_smoothing", TypeError),
+    (lambda x, y: functional_ce.token_logprobs(x, y, stats=("top1",)), "stats", ValueError),
+    (lambda x, y: functional_ce.token_logprobs(x, y, stats="is_top1"), "stats", TypeError),
+    (lambda x, y: functional_ce.token_logprobs(x, y, stats=("is_top1", "is_top1")), "twice", ValueError),
+    (lambda x, y: functional_ce.token_logprobs(x, y, logit_scale=math.nan), "logit_scale", ValueError),
+    (lambda x, y: functional_ce.cross_entropy(x, y, stats=("is_top1",)), "stats", TypeError),
     (lambda x, y: functional_ce.distillation_loss(x, x, beta=1.5), "beta", ValueError),
     (lambda x, y: functional_ce.distillation_loss(x, x, beta=-0.1), "beta", ValueError),
     (lambda x, y: functional_ce.distillation_loss(x, x[:, :5]), "one shape", ValueError),
@@ -237,6 +312,10 @@ def _compiled_vs_eager_calls():
             x, labels, return_entropy=True, temperature=0.7, softcap=5.0, compile_chunks=cc, **kw)).mul(up).sum()),
         "linear_token_logprobs": ((hidden, weight), lambda x, w, cc: torch.stack(functional_ce.linear_token_logprobs(
             x, w, labels, return_entropy=True, temperature=1.3, compile_chunks=cc, **kw)).mul(up).sum()),
+        "linear_token_logprobs_stats": ((hidden, weight), lambda x, w, cc: torch.stack(
+            functional_ce.linear_token_logprobs(x, w, labels, return_entropy=True, temperature=0.8, softcap=4.0,
+                                                logit_scale=1.5, stats=("mean_logits", "log_sum_sq_probs"),
+                                                compile_chunks=cc, **kw)[:2]).mul(up).sum()),
         "distillation_loss": ((logits, t_logits), lambda s, t, cc: functional_ce.distillation_loss(
             s, t, labels=labels, beta=0.3, temperature=2.0, compile_chunks=cc, **kw)),
         "linear_distillation_loss": ((hidden, weight), lambda x, w, cc: functional_ce.linear_distillation_loss(
@@ -244,8 +323,8 @@ def _compiled_vs_eager_calls():
     }
 
 
-@pytest.mark.parametrize("name", ["token_logprobs", "linear_token_logprobs", "distillation_loss",
-                                  "linear_distillation_loss"])
+@pytest.mark.parametrize("name", ["token_logprobs", "linear_token_logprobs", "linear_token_logprobs_stats",
+                                  "distillation_loss", "linear_distillation_loss"])
 def test_compiled_chunk_graphs_match_the_eager_chunk_maths(name):
     """The default path of an eager call runs each chunk through an inductor-compiled graph: it
     gives the eager chunk maths' values and gradients."""
@@ -262,3 +341,28 @@ def test_compiled_chunk_graphs_match_the_eager_chunk_maths(name):
         assert a.dtype == b.dtype == torch.bfloat16
         # the same fp32 maths, fused differently, then rounded to bf16 once
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2 * b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_extra_statistics_compile_fullgraph_and_match_eager(backend):
+    def fn(hidden, weight, labels):
+        logp, ent, top1, sq, mean = functional_ce.linear_token_logprobs(
+            hidden, weight, labels, return_entropy=True, logit_scale=0.5, stats=("is_top1", "log_sum_sq_probs",
+                                                                                  "mean_logits"))
+        return (logp + 0.1 * ent).sum(), top1, sq, mean
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(29, 8, generator=g).requires_grad_()
+    hidden = torch.randn(11, 8, generator=g).requires_grad_()
+    labels = torch.randint(0, 29, (11,), generator=g)
+    labels[::4] = -100
+    got, want = compiled(hidden, weight, labels), fn(hidden, weight, labels)
+    assert torch.equal(got[1], want[1])
+    for a, b in zip(got[::2] + got[3:], want[::2] + want[3:]):
+        assert torch.allclose(a, b, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(got[0], (hidden, weight)), torch.autograd.grad(want[0], (hidden, weight))):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert counter.frame_count == 1

@@ -28,6 +28,9 @@ LOGPROB_OPTIONS = [
     {"return_entropy": True, "temperature": 0.7, "softcap": 4.0},
     {"temperature": 1.3, "mask": True},
     {"return_entropy": True, "ignore_index": 5, "chunk_size": 4},
+    {"return_entropy": True, "stats": ("is_top1", "log_sum_sq_probs", "mean_logits"), "logit_scale": 0.8,
+     "softcap": 4.0, "temperature": 0.9},
+    {"stats": ("mean_logits", "is_top1"), "mask": True},
 ]
 DISTILL_OPTIONS = [
     {"beta": 0.5},
@@ -51,6 +54,9 @@ def _check(result: tasks.TokenResult, case: TokenCase, processes: int) -> None:
     ref_outputs, ref_grads = result.reference
     assert len(result.outputs) == len(ref_outputs)
     for got, want in zip(result.outputs, ref_outputs):
+        if want.dtype == torch.bool:  # is_top1: exact (seeded logits have no near-ties)
+            assert got.dtype == torch.bool and torch.equal(got, want), f"is_top1 {case}"
+            continue
         assert got.dtype == torch.float32
         # the hidden-state form rounds its logits in the input dtype once more
         _close(got, want, case.dtype, f"output {case}", 1.0 if case.form == "logits" else 4.0)
@@ -63,10 +69,13 @@ def _check(result: tasks.TokenResult, case: TokenCase, processes: int) -> None:
 
 def _statistics_bytes(case: TokenCase) -> int:
     """fp32 statistics per token: log-probs a MAX of the logsumexp, then a SUM of its mass, the
-    target logit (and the entropy's mean logit); distillation the same for two logsumexps, then a
+    target logit (and the entropy's mean logit; for the extra statistics: a MAX of 8 bytes for
+    is_top1, a MAX and a SUM of 4 for log_sum_sq_probs, a SUM of 4 for mean_logits); distillation the same for two logsumexps, then a
     SUM of its one or two divergences."""
     if case.loss == "logprobs":
-        return 4 * (1 + 2 + bool(case.opts.get("return_entropy")))
+        stats = case.opts.get("stats", ())
+        extra = 8 * ("log_sum_sq_probs" in stats) + 4 * ("mean_logits" in stats) + 8 * ("is_top1" in stats)
+        return 4 * (1 + 2 + bool(case.opts.get("return_entropy"))) + extra
     return 4 * (2 + 2) + 4 * (1 if case.opts.get("beta", 0.5) in (0.0, 1.0) else 2)
 
 

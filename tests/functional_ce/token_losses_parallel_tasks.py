@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import functional_ce
 from tests.functional_ce.vocab_parallel_tasks import placements
 from tests.support.comm_bytes import CommBytes
-from tests.support.reference import reference_generalized_jsd, reference_token_logprobs
+from tests.support.reference import reference_generalized_jsd, reference_token_logprobs, reference_token_stats
 
 
 @dataclasses.dataclass
@@ -102,7 +102,8 @@ def _outputs(case: TokenCase, out: Any) -> list[torch.Tensor]:
 
 def _weighted(outputs: list[torch.Tensor], seed: int) -> torch.Tensor:
     """``sum(upstream * output)`` over the outputs, with a seeded per-token upstream gradient."""
-    return sum((o * _upstream(o.shape, seed + i).to(o.dtype)).sum() for i, o in enumerate(outputs))
+    return sum((o * _upstream(o.shape, seed + i).to(o.dtype)).sum() for i, o in enumerate(outputs)
+               if o.is_floating_point())
 
 
 def call(case: TokenCase, student: tuple, teacher: tuple, labels: Any, opts: dict[str, Any]) -> Any:
@@ -128,10 +129,12 @@ def reference(case: TokenCase, inputs: Inputs) -> tuple[list[torch.Tensor], list
     if case.loss == "logprobs":
         ignore = opts.get("ignore_index", -100)
         labels = inputs.labels if opts.get("mask") is None else torch.where(opts["mask"], inputs.labels, ignore)
-        logp, entropy = reference_token_logprobs(_logits64(tuple(student)), labels,
-                                                 temperature=opts.get("temperature", 1.0),
-                                                 softcap=opts.get("softcap"), ignore_index=ignore)
+        scaling = {"temperature": opts.get("temperature", 1.0), "softcap": opts.get("softcap"),
+                   "logit_scale": opts.get("logit_scale", 1.0), "ignore_index": ignore}
+        logits = _logits64(tuple(student))
+        logp, entropy = reference_token_logprobs(logits, labels, **scaling)
         outs = [logp, entropy] if opts.get("return_entropy") else [logp]
+        outs += reference_token_stats(logits, labels, tuple(opts.get("stats", ())), **scaling)
     else:
         outs = [reference_generalized_jsd(
             _logits64(tuple(student)), _logits64(tuple(teacher)), inputs.counted, beta=opts.get("beta", 0.5),

@@ -1,7 +1,12 @@
-"""PackingCollator: every token lands once, documents stay whole, labels never cross documents."""
+"""PackingCollator: every token lands once, documents stay whole, labels never cross documents.
+
+These tests look at the layout alone (no model sees the batches), so they build it with
+``require_packing=False``; the refusal itself is tested in ``test_collator_leak.py``.
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -9,8 +14,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from model_patches import PackingCollator
+from model_patches import PackingCollator as _PackingCollator
 from model_patches.packing.collator import first_fit_decreasing
+
+PackingCollator = functools.partial(_PackingCollator, require_packing=False)
 
 docs_strategy = st.lists(st.lists(st.integers(1, 999), min_size=1, max_size=20), min_size=1, max_size=25)
 
@@ -34,8 +41,12 @@ def _unpack(batch: dict[str, torch.Tensor]) -> list[tuple[list[int], list[int], 
 
 @given(docs_strategy, st.integers(20, 48))
 def test_every_document_lands_whole_once(docs, max_length) -> None:
-    batch = PackingCollator(max_length, pad_token_id=0)(docs)
-    assert all(v.shape == (batch["input_ids"].shape[0], max_length) for v in batch.values())
+    batch = PackingCollator(max_length, pad_token_id=0, return_num_tokens=True)(docs)
+    rows = batch["input_ids"].shape[0]
+    assert all(batch[k].shape == (rows, max_length) for k in ("input_ids", "labels", "attention_mask", "position_ids"))
+    assert batch["num_tokens"].shape == (rows,) and batch["num_tokens"].dtype == torch.long
+    assert batch["num_tokens"].tolist() == [int((batch["input_ids"][r] != 0).sum()) for r in range(rows)]
+    assert int(batch["num_tokens"].sum()) == sum(map(len, docs)), "num_tokens counts every real token once"
     got = _unpack(batch)
     assert sorted(ids for ids, _, _ in got) == sorted(docs)
     for ids, labels, positions in got:
@@ -103,5 +114,8 @@ def test_bad_settings_are_rejected(kwargs, match) -> None:
 
 
 def test_efficiency_counts_real_tokens() -> None:
-    batch = PackingCollator(10)([[1] * 6, [2] * 4, [3] * 5])
-    assert PackingCollator.efficiency(batch) == pytest.approx(15 / 20)
+    batch = PackingCollator(10, return_num_tokens=True)([[1] * 6, [2] * 4, [3] * 5])
+    assert _PackingCollator.efficiency(batch) == pytest.approx(15 / 20)
+    assert batch["num_tokens"].tolist() == [10, 5]
+    plain = PackingCollator(10)([[1] * 6, [2] * 4, [3] * 5])
+    assert "num_tokens" not in plain and _PackingCollator.efficiency(plain) == pytest.approx(15 / 20)

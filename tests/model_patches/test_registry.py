@@ -171,3 +171,25 @@ def test_installed_version_is_the_imported_one() -> None:
 
     assert installed_version() == transformers.__version__
     assert NEWEST_TESTED.count(".") == 2
+
+
+def test_remove_unwraps_from_under_a_later_closure_wrapper_or_refuses(fake_module) -> None:
+    handle = apply_records([rec()], version="5.0.0")
+    ours = fake_module.func
+
+    def later(x: int) -> int:  # another library wrapping the patched function
+        return ours(x) + 1000
+
+    fake_module.func = later
+    assert fake_module.func(1) == 1020
+    handle.remove()
+    assert fake_module.func is later and fake_module.func(1) == 1002  # ours is out, theirs stays
+
+    handle = apply_records([rec()], version="5.0.0")
+    fake_module.func = types.SimpleNamespace(wrapped=fake_module.func)  # holds ours, not in a closure
+    with pytest.raises(ValueError, match="cannot be unwrapped"):
+        handle.remove()
+    assert handle.active
+    fake_module.func = fake_module.func.wrapped
+    handle.remove()
+    assert fake_module.func is later  # what was there before the second patch

@@ -66,11 +66,13 @@ def reference_token_logprobs(
     softcap: Optional[float] = None,
     ignore_index: int = -100,
     dtype: torch.dtype = torch.float64,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, entropy)`` ``[...]`` in ``dtype`` from the definition: ``z = softcap * tanh(x /
-    softcap)`` (if given), then ``z / temperature``; ``logp = log_softmax(z)[label]``, ``entropy =
-    -(softmax(z) * log_softmax(z)).sum(-1)``; both 0 where the label is ``ignore_index``."""
-    x = logits.to(dtype)
+    """``(logp, entropy)`` ``[...]`` in ``dtype`` from the definition: ``x * logit_scale``, then
+    ``z = softcap * tanh(x / softcap)`` (if given), then ``z / temperature``; ``logp =
+    log_softmax(z)[label]``, ``entropy = -(softmax(z) * log_softmax(z)).sum(-1)``; both 0 where the
+    label is ``ignore_index``."""
+    x = logits.to(dtype) * logit_scale
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     logp_all = torch.log_softmax(x / temperature, dim=-1)
@@ -79,6 +81,35 @@ def reference_token_logprobs(
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     zero = torch.zeros((), dtype=dtype, device=x.device)
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
+
+
+def reference_token_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    names: tuple[str, ...],
+    *,
+    temperature: float = 1.0,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    dtype: torch.dtype = torch.float64,
+) -> list[torch.Tensor]:
+    """The extra statistics ``names`` of :func:`functional_ce.token_logprobs` from the definition,
+    detached, on the tempered logits ``z`` of :func:`reference_token_logprobs`: ``is_top1`` (bool:
+    ``argmax(z) == label``, torch's argmax being the first maximum), ``log_sum_sq_probs``
+    (``log(sum softmax(z) ** 2)``) and ``mean_logits`` (``z.mean(-1)``); 0 / False where ignored."""
+    x = logits.detach().to(dtype) * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    z = x / temperature
+    valid = labels != ignore_index
+    zero = torch.zeros((), dtype=dtype, device=z.device)
+    value = {
+        "is_top1": valid & (z.argmax(-1) == labels),
+        "log_sum_sq_probs": torch.where(valid, torch.log((torch.softmax(z, -1) ** 2).sum(-1)), zero),
+        "mean_logits": torch.where(valid, z.mean(-1), zero),
+    }
+    return [value[n] for n in names]
 
 
 def reference_generalized_jsd(

@@ -1,0 +1,367 @@
+"""TRL's fused LM head and its chunked divergence, computed by functional_ce.
+
+TRL's trainers (SFT, GRPO, RLOO, DPO, KTO) add a fused LM head to the model
+(``trl.trainer.utils.add_fused_lm_head``); called with ``fused_lm_head=True`` its forward looks up
+the module global ``trl.trainer.utils._ChunkedLogProbFunction`` at call time and calls its
+``.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+logit_scale, outputs)``. TRL's ``DistillationTrainer`` calls the module function
+``trl.trainer.distillation_trainer._chunked_divergence_loss`` the same way. Two registry records
+(table ``"trl"``, gated on the TRL version) replace those two names, so every TRL head, added
+before or after, in every TRL trainer, goes through the replacement.
+
+Each replacement decides at call time, from this module's state:
+
+- an :func:`enable_trl_heads` handle is active: compute with
+  :func:`functional_ce.linear_token_logprobs` (with its ``stats``) /
+  :func:`functional_ce.linear_distillation_loss`, same arguments, same returns;
+- else a :func:`refuse_unrouted_trl_heads` handle is active: raise ``ValueError`` with the first
+  registered message (a loss patch of this library that TRL's head would bypass is refused, not
+  silently unused);
+- else call TRL's own object.
+
+Both public functions apply the same records, so their handles share the registry's per-target
+reference counts; the original objects come back when the last handle is removed.
+
+Applying the records imports ``trl.trainer.utils`` and ``trl.trainer.distillation_trainer``:
+about 2 s on first use with torch and Transformers already imported (1.8-2.3 s measured with
+TRL 1.16.0 on the 2-core CPU machine of bench/RESULTS.md).
+
+Layouts: TRL's forward turns a DTensor ``lm_head`` weight (FSDP2, or a tensor-parallel head)
+into a plain tensor with ``weight.full_tensor()`` before it calls the kernel, so the routed kernel
+sees the gathered ``[V, H]`` weight on every process, as TRL's own does; it never sees the
+shards. To keep a vocabulary-sharded head sharded, compute the log-probs with
+:func:`model_patches.causal_lm_token_logprobs` (DTensor vocabulary-parallel in functional_ce)
+instead of TRL's fused head. DeepSpeed ZeRO-3 heads (TRL's kernel re-gathers the weight in its
+backward) are refused with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+
+import functional_ce
+
+from ..calls import parameters_probe
+from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
+from .loss_use import loss_reached
+
+__all__ = ["enable_trl_heads", "refuse_unrouted_trl_heads", "trl_heads_routed", "trl_heads_status"]
+
+logger = logging.getLogger(__name__)
+
+HEAD_TARGET = "trl.trainer.utils:_ChunkedLogProbFunction"
+DIVERGENCE_TARGET = "trl.trainer.distillation_trainer:_chunked_divergence_loss"
+TRL_VERSIONS = ">=1.16,<2"
+NEWEST_TESTED_TRL = "1.16.0"
+
+#: TRL's per-token outputs besides the log-probs, in the order its kernel returns them.
+_OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_HEAD_PARAMETERS = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                    "final_logit_softcapping", "logit_scale", "outputs")
+_DIVERGENCE_PARAMETERS = (
+    "student_hidden_states", "teacher_hidden_states", "student_lm_head_weight", "teacher_lm_head_weight",
+    "completion_mask", "beta", "num_items_in_batch", "student_lm_head_bias", "teacher_lm_head_bias",
+    "student_logit_scale", "teacher_logit_scale", "student_final_logit_softcapping",
+    "teacher_final_logit_softcapping", "temperature",
+)
+
+# The live handles of each mode (a handle's id -> its message for refusals). Read without a lock
+# at call time (one dict/len read); changed under the registry's handles only.
+_ROUTED: dict[int, None] = {}
+_REFUSALS: dict[int, str] = {}
+
+
+# --- the computations ------------------------------------------------------------------------
+
+
+def _compute_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """``(weight, bias)`` in the dtype TRL computes in: the autocast dtype under autocast (then
+    functional_ce casts all three), else the hidden states' (``cast_lm_head_to_fp32`` passes fp32
+    hidden states with the model's bf16 head; TRL casts each weight chunk, this casts once)."""
+    if getattr(weight, "ds_id", None) is not None:
+        raise ValueError(
+            "TRL's fused LM head on functional_ce does not support DeepSpeed ZeRO-3 heads (the partitioned "
+            "weight is released after forward, and functional_ce's backward does not re-gather it). Remove "
+            "the enable_trl_heads handle to use TRL's own kernel under ZeRO-3"
+        )
+    if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
+        return weight, bias
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+
+
+def routed_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                    temperature: float, chunk_size: int, final_logit_softcapping: Optional[float] = None,
+                    logit_scale: float = 1.0, outputs: Sequence[str] = _OPTIONAL_OUTPUTS) -> tuple:
+    """TRL's ``ChunkedLogProbFunction.apply`` contract on :func:`functional_ce.linear_token_logprobs`:
+    ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, fp32 (``is_top1`` bool),
+    None for each field not in ``outputs``; gradients on the log-probs and the entropy only.
+    ``chunk_size`` (TRL's vocabulary tile width) is not used: functional_ce chunks token rows."""
+    loss_reached()
+    outputs = tuple(outputs)
+    entropy = "entropy" in outputs
+    stats = tuple(name for name in _OPTIONAL_OUTPUTS[1:] if name in outputs)
+    weight, bias = _compute_inputs(hidden, weight, bias)
+    result = functional_ce.linear_token_logprobs(
+        hidden, weight, targets, bias=bias, temperature=float(temperature), softcap=final_logit_softcapping,
+        logit_scale=float(logit_scale), return_entropy=entropy, stats=stats,
+    )
+    values = dict(zip(("log_probs", *(("entropy",) if entropy else ()), *stats),
+                      result if isinstance(result, tuple) else (result,)))
+    return tuple(values.get(name) for name in ("log_probs", *_OPTIONAL_OUTPUTS))
+
+
+def _scaled(hidden: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> tuple:
+    """``hidden @ W.T + bias`` times ``scale`` as ``(scale * hidden) @ W.T + scale * bias`` (exact
+    in fp32; rounded once more in low precision); gradients chain through the products."""
+    if scale == 1.0:
+        return hidden, bias
+    return hidden * scale, None if bias is None else bias * scale
+
+
+def _full(weight: Any, bias: Any, dtype: torch.dtype) -> tuple:
+    """TRL's own handling of an FSDP2 head: the full weight (in ``dtype``) and bias."""
+    if isinstance(weight, torch.distributed.tensor.DTensor):
+        weight = weight.full_tensor().to(dtype)
+        if bias is not None:
+            bias = bias.full_tensor()
+    return weight, bias
+
+
+def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
+                      student_lm_head_weight: torch.Tensor, teacher_lm_head_weight: torch.Tensor,
+                      completion_mask: torch.Tensor, beta: float, num_items_in_batch: Any = None,
+                      student_lm_head_bias: Optional[torch.Tensor] = None,
+                      teacher_lm_head_bias: Optional[torch.Tensor] = None, student_logit_scale: float = 1.0,
+                      teacher_logit_scale: float = 1.0, student_final_logit_softcapping: Optional[float] = None,
+                      teacher_final_logit_softcapping: Optional[float] = None, temperature: float = 1.0) -> tuple:
+    """TRL's ``_chunked_divergence_loss`` contract on :func:`functional_ce.linear_distillation_loss`:
+    ``(loss, student entropy sum, number of counted positions)``; the loss is the summed divergence
+    over ``num_items_in_batch`` (over the counted positions, 0 when none, without it), its gradient
+    reaches the student only; the entropy (of the tempered student distribution) has none.
+
+    The logit scales multiply the hidden states and biases (see :func:`_scaled`). The student's
+    entropy is a second, gradient-free pass over the student's head (functional_ce's divergence
+    does not return it). A soft-capped head raises ``ValueError``: functional_ce's distillation
+    has no soft-cap option.
+    """
+    loss_reached()
+    for who, cap in (("student", student_final_logit_softcapping), ("teacher", teacher_final_logit_softcapping)):
+        if cap is not None:
+            raise ValueError(
+                f"the {who}'s final_logit_softcapping={cap!r} soft-caps its logits, and "
+                "functional_ce.linear_distillation_loss has no soft-cap option; remove the enable_trl_heads "
+                "handle to distill soft-capped models with TRL's own kernel"
+            )
+    ws, bs = _full(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
+    wt, bt = _full(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
+    valid = completion_mask.reshape(-1) != 0
+    hs = student_hidden_states.reshape(-1, student_hidden_states.size(-1))
+    ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
+    ws, bs = _compute_inputs(hs, ws, bs)
+    wt, bt = _compute_inputs(ht, wt, bt)
+    hs, bs = _scaled(hs, bs, float(student_logit_scale))
+    ht, bt = _scaled(ht.detach(), None if bt is None else bt.detach(), float(teacher_logit_scale))
+    count = num_items_in_batch
+    if isinstance(count, torch.Tensor):
+        count = count.to(hs.device)
+    loss = functional_ce.linear_distillation_loss(
+        hs, ws, ht, wt.detach(), student_bias=bs, teacher_bias=bt, mask=valid, beta=float(beta),
+        temperature=float(temperature), reduction="mean", num_label_tokens=count,
+    )
+    with torch.no_grad():
+        _, entropy = functional_ce.linear_token_logprobs(
+            hs, ws, torch.zeros_like(valid, dtype=torch.long), bias=bs, mask=valid, temperature=float(temperature),
+            return_entropy=True,
+        )
+    return loss, entropy.sum(), valid.sum()
+
+
+# --- the replacements: one per target, dispatching on the mode at call time -------------------
+
+
+def _refusal() -> Optional[str]:
+    """The first registered refusal message while nothing routes, else None."""
+    if _ROUTED or not _REFUSALS:
+        return None
+    return next(iter(_REFUSALS.values()))
+
+
+class RoutedChunkedLogProb:
+    """Stands in for TRL's ``ChunkedLogProbFunction``: ``.apply`` takes its arguments and returns
+    its 5-tuple; every other attribute is the original's (``__wrapped__``)."""
+
+    def __init__(self, original: Any) -> None:
+        self.__wrapped__ = original
+
+    def apply(self, *args: Any, **kwargs: Any) -> tuple:
+        if _ROUTED:
+            return routed_logprobs(*args, **kwargs)
+        message = _refusal()
+        if message is not None:
+            raise ValueError(message)
+        return self.__wrapped__.apply(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __repr__(self) -> str:
+        return f"<RoutedChunkedLogProb of {self.__wrapped__!r}>"
+
+
+def _build_head(original: Any) -> RoutedChunkedLogProb:
+    return RoutedChunkedLogProb(original)
+
+
+def _build_divergence(original: Any) -> Any:
+    @functools.wraps(original)
+    def chunked_divergence_loss(*args: Any, **kwargs: Any) -> tuple:
+        if _ROUTED:
+            return routed_divergence(*args, **kwargs)
+        message = _refusal()
+        if message is not None:
+            raise ValueError(message)
+        return original(*args, **kwargs)
+
+    return chunked_divergence_loss
+
+
+def _probe_head(original: Any) -> Optional[str]:
+    if not hasattr(original, "apply") or not hasattr(original, "forward"):
+        return f"expected an autograd Function with apply/forward, got {original!r}"
+    reason = parameters_probe(original.forward, first=_HEAD_PARAMETERS)
+    if reason:
+        return reason
+    from trl.kernels import chunked_logprob
+
+    found = tuple(getattr(chunked_logprob, "OPTIONAL_OUTPUTS", ()))
+    if found != _OPTIONAL_OUTPUTS:
+        return f"expected the kernel's optional outputs {_OPTIONAL_OUTPUTS}, found {found}"
+    return None
+
+
+def _probe_divergence(original: Any) -> Optional[str]:
+    return parameters_probe(original, first=_DIVERGENCE_PARAMETERS)
+
+
+RECORDS = (
+    PatchRecord(
+        name="trl_fused_lm_head", target=HEAD_TARGET, versions=TRL_VERSIONS, probe=_probe_head, build=_build_head,
+        doc="TRL's fused LM head kernel (SFT, GRPO, RLOO, DPO, KTO) on functional_ce.linear_token_logprobs",
+        newest_tested=NEWEST_TESTED_TRL, table="trl", package="trl",
+    ),
+    PatchRecord(
+        name="trl_chunked_divergence", target=DIVERGENCE_TARGET, versions=TRL_VERSIONS, probe=_probe_divergence,
+        build=_build_divergence,
+        doc="DistillationTrainer's chunked divergence on functional_ce.linear_distillation_loss",
+        newest_tested=NEWEST_TESTED_TRL, table="trl", package="trl",
+    ),
+)
+
+
+# --- handles and public functions --------------------------------------------------------------
+
+
+def _trl_version() -> Optional[str]:
+    try:
+        import trl
+    except ImportError:
+        return None
+    return str(trl.__version__)
+
+
+_NOT_INSTALLED = "trl is not installed"
+
+
+class _ModeHandle(PatchHandle):
+    """The records' handle, plus this handle's entry in one mode's registry, dropped on removal."""
+
+    def __init__(self, inner: PatchHandle, mode: dict, value: Any, what: str) -> None:
+        super().__init__(inner._targets, inner.rows, what)
+        self._mode = mode
+        mode[id(self)] = value
+
+    def _undo(self) -> None:
+        super()._undo()  # raises, changing nothing, when the targets were wrapped after this
+        self._mode.pop(id(self), None)
+
+
+class _NoTrlHandle(Handle):
+    """What the public functions return without TRL: nothing to patch, nothing to undo."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.rows = StatusTable(StatusRow(r.name, r.target, r.versions, "skipped", _NOT_INSTALLED) for r in RECORDS)
+
+    def _undo(self) -> None:
+        pass
+
+    def _describe(self) -> str:
+        return f"{self._what}: trl not installed, 0 patches"
+
+
+def _enable(mode: dict, value: Any, what: str, strict: bool) -> Handle:
+    version = _trl_version()
+    if version is None:
+        return _NoTrlHandle(what)
+    inner = apply_records(RECORDS, strict=strict, version=version, what=what)
+    return _ModeHandle(inner, mode, value, what)
+
+
+def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
+    """Compute TRL's fused LM heads and DistillationTrainer's chunked divergence with functional_ce.
+
+    Routes ``trl.trainer.utils._ChunkedLogProbFunction`` (every trainer's fused head: SFT, GRPO,
+    RLOO, DPO, KTO; the log-probs, entropy, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``,
+    with TRL's temperature, soft-cap and logit scale) and
+    ``trl.trainer.distillation_trainer._chunked_divergence_loss``. Both are looked up by TRL at call
+    time, so the order does not matter: enable before or after building the trainer. The outputs
+    have TRL's fields and dtypes, and match TRL's own kernel to float rounding (bf16 heads: to bf16
+    rounding). See the module docstring for DTensor heads, ZeRO-3 and soft-capped distillation.
+
+    Args:
+        strict: a TRL release inside the gate whose objects have another signature raises
+            :class:`~model_patches.PatchError` (``False``: a warning, that record left out).
+
+    Returns:
+        A handle; ``remove()`` (or leaving a ``with`` block) undoes it. Handles are reference
+        counted: TRL's objects come back when the last handle of :func:`enable_trl_heads` and
+        :func:`refuse_unrouted_trl_heads` is removed. Without TRL: a handle that patched nothing
+        (its ``rows`` say why).
+    """
+    return _enable(_ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
+
+
+def refuse_unrouted_trl_heads(message: str) -> Handle:
+    """While the returned handle is active and no :func:`enable_trl_heads` handle is, TRL's fused
+    head kernel and chunked divergence raise ``ValueError(message)`` instead of computing.
+
+    For a patch of this library that changes the loss (the chunked loss, the hidden-state loss)
+    and that TRL's fused head would bypass: it calls this while it is active, so that a TRL
+    trainer using its own fused head fails with ``message`` rather than silently training
+    without the patch. With several active, the oldest message is raised. A TRL release whose
+    objects do not fit is logged as a warning and nothing is refused. Without TRL: a no-op handle.
+    """
+    if not isinstance(message, str) or not message:
+        raise TypeError(f"message must be a non-empty str, got {message!r}")
+    return _enable(_REFUSALS, message, "trl heads refusal", strict=False)
+
+
+def trl_heads_routed() -> bool:
+    """True while an :func:`enable_trl_heads` handle is active."""
+    return bool(_ROUTED)
+
+
+def trl_heads_status() -> StatusTable:
+    """One row per record of the ``"trl"`` table: applied / available / skipped / failed, and why
+    (an applied row's reason also says which mode is in force: routed, refusing, or TRL's own)."""
+    version = _trl_version()
+    if version is None:
+        return StatusTable(StatusRow(r.name, r.target, r.versions, "skipped", _NOT_INSTALLED) for r in RECORDS)
+    mode = "routed to functional_ce" if _ROUTED else f"refusing: {_refusal()}" if _REFUSALS else "TRL's own"
+    return StatusTable(dataclasses.replace(row, reason=f"{row.reason}; {mode}") if row.state == "applied" else row
+                       for row in record_status(RECORDS, version=version))
