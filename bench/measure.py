@@ -119,7 +119,10 @@ def time_step(step: Callable[[], Any], *, device: str, warmup: int, repeats: int
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = None if before is None else rss_bytes("VmHWM") - before
+        # the kernel batches each thread's resident-set counts (up to 64 pages a thread), so two
+        # readings can differ by a few hundred KiB either way: a step that adds nothing can read
+        # slightly negative, which is reported as 0
+        peak = None if before is None else max(0, rss_bytes("VmHWM") - before)
     return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak, spread=spread_of(times))
 
 
