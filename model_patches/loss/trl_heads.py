@@ -7,7 +7,10 @@ the module global ``trl.trainer.utils._ChunkedLogProbFunction`` at call time and
 logit_scale, outputs)``. TRL's ``DistillationTrainer`` calls the module function
 ``trl.trainer.distillation_trainer._chunked_divergence_loss`` the same way. Two registry records
 (table ``"trl"``, gated on the TRL version) replace those two names, so every TRL head, added
-before or after, in every TRL trainer, goes through the replacement.
+before or after, in every TRL trainer, goes through the replacement. TRL's temperature, logit
+scales and final-logit soft-caps become functional_ce's own options (for the divergence, each
+model's: ``logit_scale``/``softcap`` for the student, ``teacher_logit_scale``/``teacher_softcap``
+for the teacher), so soft-capped models (Gemma 2/3) are routed too.
 
 Each replacement decides at call time, from this module's state:
 
@@ -306,7 +309,8 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
     ``trl.trainer.distillation_trainer._chunked_divergence_loss``. Both are looked up by TRL at call
     time, so the order does not matter: enable before or after building the trainer. The outputs
     have TRL's fields and dtypes, and match TRL's own kernel to float rounding (bf16 heads: to bf16
-    rounding). See the module docstring for DTensor heads, ZeRO-3 and soft-capped distillation.
+    rounding). Soft-capped models are routed with their own soft-caps. See the module docstring for
+    DTensor heads and ZeRO-3.
 
     Args:
         strict: a TRL release inside the gate whose objects have another signature raises

@@ -3,6 +3,7 @@ dtypes, forms and chunk sizes; edge cases; bad input; the compile ladder."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -225,6 +226,15 @@ def test_without_the_new_keywords_the_return_types_are_unchanged():
     assert isinstance(functional_ce.token_logprobs(logits, labels, stats=()), torch.Tensor)
     assert len(functional_ce.token_logprobs(logits, labels, return_entropy=True, stats=[])) == 2
     assert len(functional_ce.token_logprobs(logits, labels, stats=["mean_logits"])) == 2
+
+
+@pytest.mark.parametrize("fn", [functional_ce.distillation_loss, functional_ce.linear_distillation_loss])
+def test_distillation_signatures_list_each_models_softcap_and_scale(fn):
+    """The teacher's soft-cap and scale are their own keywords, defaulting to none (not the student's)."""
+    params = inspect.signature(fn).parameters
+    for name, default in {"softcap": None, "logit_scale": 1.0, "teacher_softcap": None,
+                          "teacher_logit_scale": 1.0}.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default, name
 
 
 def test_entropy_default_is_off_and_shapes_follow_the_labels():
