@@ -136,11 +136,15 @@ class LossSpec:
         label_smoothing: (cross-entropy) epsilon of ``torch.nn.functional.cross_entropy``'s
             definition, in [0, 1].
         z_loss: (cross-entropy) coefficient of ``logsumexp(logits) ** 2`` added to each valid row's loss.
-        softcap: (cross-entropy, log-probs) if set, logits are replaced by
-            ``softcap * tanh(logits / softcap)`` first.
+        softcap: (cross-entropy, log-probs, distillation) if set, logits are replaced by
+            ``softcap * tanh(logits / softcap)`` first (distillation: the student's only).
         temperature: (log-probs, distillation) logits are divided by it (after the softcap).
-        logit_scale: (log-probs) logits are multiplied by it first, before the softcap (Cohere's
-            ``logit_scale``, Granite's ``1 / logits_scaling``; TRL's fused head's multiplier).
+        logit_scale: (log-probs, distillation) logits are multiplied by it first, before the softcap
+            (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``; TRL's fused head's
+            multiplier; distillation: the student's only).
+        teacher_softcap, teacher_logit_scale: (distillation) the same for the teacher's logits,
+            set on their own: the teacher is another model, so it never takes the student's
+            (None and 1.0 by default: no soft-cap, no scale).
         stats: (log-probs) extra per-token statistics to return, names from :data:`TOKEN_STATS`
             in the order wanted (none carries a gradient).
         return_entropy: (log-probs) also return each token's entropy.
@@ -166,16 +170,18 @@ class LossSpec:
     ignore_index: int = _option(-100, _integer)
     label_smoothing: float = _option(0.0, _unit_interval, losses=(_CE,))
     z_loss: float = _option(0.0, _finite_non_negative, losses=(_CE,))
-    softcap: Optional[float] = _option(None, _positive, losses=(_CE, _LOGP))
+    softcap: Optional[float] = _option(None, _positive)
     reduction: str = _option("mean", _one_of(*_REDUCTIONS), losses=(_CE, _KD), maths=False)
     compile_chunks: Optional[bool] = _option(None, _flag_or_none, maths=False)
     inplace_grad: bool = _option(False, _flag, forms=("logits",), losses=(_CE,), maths=False)
     recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), losses=(_CE, _KD), maths=False)
     temperature: float = _option(1.0, _temperature, losses=(_LOGP, _KD))
     return_entropy: bool = _option(False, _flag, losses=(_LOGP,))
-    logit_scale: float = _option(1.0, _finite, losses=(_LOGP,))
+    logit_scale: float = _option(1.0, _finite, losses=(_LOGP, _KD))
     stats: tuple[str, ...] = _option((), _token_stats, losses=(_LOGP,))
     beta: float = _option(0.5, _unit_interval, losses=(_KD,))
+    teacher_softcap: Optional[float] = _option(None, _positive, losses=(_KD,))
+    teacher_logit_scale: float = _option(1.0, _finite, losses=(_KD,))
     loss: str = _option("cross_entropy", _one_of(*LOSS_NAMES), forms=())
     form: str = _option("logits", _one_of(*FORMS), forms=())
     chunk_rows: int = _option(0, _count, forms=(), maths=False)

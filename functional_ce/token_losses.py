@@ -154,8 +154,9 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                       labels: Optional[torch.Tensor] = None, **options: Any) -> torch.Tensor:
     """TRL GKD's generalized Jensen-Shannon divergence between a student and a teacher, in fp32.
 
-    With ``p_s = softmax(student / T)``, ``p_t = softmax(teacher / T)`` (``T = temperature``, no
-    ``T**2`` factor, as in TRL): ``beta=0`` is ``KL(p_t || p_s)``, ``beta=1`` is ``KL(p_s || p_t)``,
+    With ``p_s = softmax(z_s / T)``, ``p_t = softmax(z_t / T)`` (``T = temperature``, no ``T**2``
+    factor, as in TRL), where each model's ``z`` is its logits times its logit scale, then
+    soft-capped with its own soft-cap (TRL's ``DistillationTrainer`` order): ``beta=0`` is ``KL(p_t || p_s)``, ``beta=1`` is ``KL(p_s || p_t)``,
     otherwise ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with
     ``m = beta * p_t + (1 - beta) * p_s``; per token, summed over the vocabulary (``0 * log 0 =
     0``). No ``[N, V]`` buffer is built beyond the logits' gradients. Gradients reach the student's
@@ -165,7 +166,13 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
         student_logits, teacher_logits: ``[..., V]`` of one shape, float32 / bfloat16 / float16.
         labels: ``[...]`` integer ids or None: a token counts where ``labels != ignore_index``
             and ``mask`` is nonzero (each when given); every token counts when neither is given.
-        beta: in [0, 1] (default 0.5). temperature: finite, > 0 (default 1.0).
+        beta: in [0, 1] (default 0.5). temperature: finite, > 0 (default 1.0), for both models.
+        softcap, logit_scale: the student's soft-cap (None or a finite number > 0, default None:
+            Gemma 2/3's ``final_logit_softcapping``) and logit multiplier (finite, default 1.0),
+            applied as in :func:`token_logprobs`; gradients chain through them.
+        teacher_softcap, teacher_logit_scale: the same for the teacher, set on their own (defaults
+            None and 1.0); the student's values never apply to the teacher, so a soft-capped
+            teacher needs ``teacher_softcap`` even when the student has the same one.
         ignore_index, mask, num_label_tokens, chunk_size, compile_chunks: as in
             :func:`functional_ce.cross_entropy`.
         reduction: ``"mean"`` over counted tokens (0 when none), ``"sum"``, or ``"none"`` (fp32
@@ -213,8 +220,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         student_hidden: ``[..., H]``; student_weight ``[V, H]``; teacher_hidden ``[..., Ht]`` (same
             token shape); teacher_weight ``[V, Ht]``; biases ``[V]`` or None; float32 / bfloat16 /
             float16, each head of one dtype, all on one device.
-        labels, beta, temperature, ignore_index, mask, reduction, num_label_tokens, chunk_size,
-            compile_chunks: as in :func:`distillation_loss`.
+        labels, beta, temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale,
+            ignore_index, mask, reduction, num_label_tokens, chunk_size, compile_chunks: as in
+            :func:`distillation_loss` (the scales multiply each model's logits, not its hidden states).
         recompute_logits_in_backward: as in :func:`functional_ce.linear_cross_entropy`.
 
     Returns:

@@ -3,31 +3,43 @@ the target logit and the label columns."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..spec import LossSpec
 
 
-def scaled(z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+def _caps(spec: LossSpec, teacher: bool) -> tuple[float, Optional[float]]:
+    """``(logit_scale, softcap)`` of the student's (or the first input's) or the teacher's logits."""
+    if teacher:
+        return spec.teacher_logit_scale, spec.teacher_softcap
+    return spec.logit_scale, spec.softcap
+
+
+def scaled(z: torch.Tensor, spec: LossSpec, *, teacher: bool = False) -> torch.Tensor:
     """The logits the loss sees, in fp32: times ``spec.logit_scale``, soft-capped when
-    ``spec.softcap``, then divided by ``spec.temperature``."""
+    ``spec.softcap``, then divided by ``spec.temperature`` (``teacher``: the teacher's scale and
+    soft-cap, the same temperature)."""
+    scale, cap = _caps(spec, teacher)
     x = z.float()
-    if spec.logit_scale != 1.0:
-        x = x * spec.logit_scale
-    if spec.softcap is not None:
-        x = torch.tanh(x / spec.softcap) * spec.softcap
+    if scale != 1.0:
+        x = x * scale
+    if cap is not None:
+        x = torch.tanh(x / cap) * cap
     return x if spec.temperature == 1.0 else x / spec.temperature
 
 
-def chain(grad: torch.Tensor, z: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+def chain(grad: torch.Tensor, z: torch.Tensor, spec: LossSpec, *, teacher: bool = False) -> torch.Tensor:
     """``grad`` w.r.t. :func:`scaled` ``(z)`` turned into the gradient w.r.t. ``z`` (fp32)."""
-    if spec.softcap is not None:
-        y = z.float() if spec.logit_scale == 1.0 else z.float() * spec.logit_scale
-        t = torch.tanh(y / spec.softcap)
+    scale, cap = _caps(spec, teacher)
+    if cap is not None:
+        y = z.float() if scale == 1.0 else z.float() * scale
+        t = torch.tanh(y / cap)
         grad = grad * (1.0 - t * t)
     if spec.temperature != 1.0:
         grad = grad / spec.temperature
-    return grad if spec.logit_scale == 1.0 else grad * spec.logit_scale
+    return grad if scale == 1.0 else grad * scale
 
 
 def target_logit(x: torch.Tensor, labels: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,15 +15,15 @@ from .common import chain, scaled, counted, where_p
 def kd_lse(zs: Sequence[torch.Tensor], labels: torch.Tensor, prior: Optional[torch.Tensor], spec: LossSpec
            ) -> torch.Tensor:
     """Pass 1, ``[c, 2]`` fp32: the slice's logsumexp of the student's and of the teacher's
-    tempered logits."""
-    return torch.stack([torch.logsumexp(scaled(z, spec), dim=-1) for z in zs], dim=-1)
+    tempered logits (each scaled and soft-capped with its own model's values)."""
+    return torch.stack([torch.logsumexp(scaled(z, spec, teacher=i == 1), dim=-1) for i, z in enumerate(zs)], dim=-1)
 
 
 def _kd_logps(zs: Sequence[torch.Tensor], lse: torch.Tensor, spec: LossSpec) -> tuple[torch.Tensor, ...]:
     """``(log p_s, log p_t, log m or None)`` ``[c, V_slice]`` fp32 from the full-vocabulary
     logsumexps ``lse [c, 2]``; ``m = beta * p_t + (1 - beta) * p_s`` (only for 0 < beta < 1)."""
     ls = scaled(zs[0], spec) - lse[:, :1]
-    lt = scaled(zs[1], spec) - lse[:, 1:2]
+    lt = scaled(zs[1], spec, teacher=True) - lse[:, 1:2]
     if spec.beta in (0.0, 1.0):
         return ls, lt, None
     return ls, lt, torch.logaddexp(ls + math.log(1.0 - spec.beta), lt + math.log(spec.beta))
@@ -58,7 +58,7 @@ def kd_grad(zs: Sequence[torch.Tensor], labels: torch.Tensor, saved: torch.Tenso
     the teacher's chunk (their dtypes): for ``L = KL(a || b)`` over softmaxes of ``za``, ``zb``,
     ``dL/dza = p_a (log p_a - log p_b - L)`` and ``dL/dzb = p_b - p_a``; for the mixture,
     ``dL/dzs = (1 - beta) p_s (log p_s - log m - KL(s || m))`` and the same for the teacher with
-    ``beta``."""
+    ``beta``; each chained through its own model's soft-cap and scale."""
     beta = spec.beta
     ls, lt, lm = _kd_logps(zs, saved, spec)
     ps, pt = torch.exp(ls), torch.exp(lt)
@@ -72,5 +72,6 @@ def kd_grad(zs: Sequence[torch.Tensor], labels: torch.Tensor, saved: torch.Tenso
         gt = beta * where_p(pt, lt - lm - kl[:, :1])
     valid = counted(labels, spec).unsqueeze(-1)
     g = torch.where(valid, grad_rows.float().unsqueeze(-1), 0.0)
-    out = [torch.where(valid, chain(d * g, z, spec), 0.0).to(z.dtype) for d, z in zip((gs, gt), zs)]
+    out = [torch.where(valid, chain(d * g, z, spec, teacher=i == 1), 0.0).to(z.dtype)
+           for i, (d, z) in enumerate(zip((gs, gt), zs))]
     return out[0], out[1] if spec.teacher_grad else None

@@ -37,7 +37,6 @@ from .hidden_state_loss import (
     _inside_call,
     _is_fsdp_module,
     _last_hidden_state,
-    _refuse,
     _shifted_labels,
 )
 
@@ -144,19 +143,6 @@ def causal_lm_token_logprobs(
     return _in_call(model, step)
 
 
-def _refuse_softcap(model: nn.Module, role: str, who: str) -> None:
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap is not None:
-        _refuse(
-            model,
-            f"the {role}'s config.final_logit_softcapping={softcap!r} soft-caps its logits, and "
-            "functional_ce.linear_distillation_loss has no soft-cap option",
-            f"Set {role}.config.final_logit_softcapping=None if distilling the uncapped logits is what you "
-            "want, or compare the two models' full logits with functional_ce.distillation_loss",
-            who,
-        )
-
-
 def _counted_positions(inputs: dict[str, Any], like: torch.Tensor, who: str) -> torch.Tensor:
     """bool ``[B, T]``: positions t whose next token t+1 is real (attention mask nonzero; every
     token without a mask); the last position never counts."""
@@ -190,7 +176,9 @@ def causal_lm_distillation_loss(
 
     ``beta=0``: KL(teacher || student); ``beta=1``: KL(student || teacher); otherwise
     ``beta * KL(t || m) + (1 - beta) * KL(s || m)`` with ``m = beta * p_t + (1 - beta) * p_s``;
-    both models' logits are divided by ``temperature`` first (no ``T**2`` factor). Position t
+    each model's logits are soft-capped with its own ``config.final_logit_softcapping`` (Gemma
+    2/3; none where it is None), then both are divided by ``temperature`` (no ``T**2`` factor), as
+    TRL's ``DistillationTrainer`` does. Position t
     compares the two models' next-token distributions; the tokens counted are those whose
     shifted label is not ``ignore_index`` when the batch has ``labels``/``shift_labels``,
     otherwise those where the attention mask (shifted the same way) is nonzero, every position
@@ -214,15 +202,12 @@ def causal_lm_distillation_loss(
         fp32 scalar, or fp32 ``[B, T]`` per token with ``reduction="none"`` (0 where not counted).
 
     Raises:
-        ValueError: a model whose head cannot be reproduced, a model with
-        ``final_logit_softcapping`` set, vocabulary sizes that differ, or teacher rows whose
-        shape differs from the student's.
+        ValueError: a model whose head cannot be reproduced, vocabulary sizes that differ, or
+        teacher rows whose shape differs from the student's.
     """
     who = "causal_lm_distillation_loss"
     s_head, s_decoder = _head_and_decoder(student, who)
     t_head, t_decoder = _head_and_decoder(teacher, who)
-    _refuse_softcap(student, "student", who)
-    _refuse_softcap(teacher, "teacher", who)
     if s_head.out_features != t_head.out_features:
         raise ValueError(
             f"{who}: the student's vocabulary has {s_head.out_features} entries and the teacher's "
@@ -230,6 +215,7 @@ def causal_lm_distillation_loss(
         )
     logger.debug("%s: student %s (hidden %d), teacher %s (hidden %d), vocabulary %d", who, type(student).__name__,
                  s_head.in_features, type(teacher).__name__, t_head.in_features, s_head.out_features)
+    s_softcap, t_softcap = (getattr(m.config, "final_logit_softcapping", None) for m in (student, teacher))
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
     ignore_index = int(batch.get("ignore_index", -100))
     num_items = batch.get("num_items_in_batch")
@@ -264,7 +250,8 @@ def causal_lm_distillation_loss(
                 _as_weight_dtype(s_hidden, s_weight), s_weight,
                 _as_weight_dtype(t_hidden, t_weight).detach(), t_weight.detach(),
                 student_bias=s_head.bias, teacher_bias=None if t_head.bias is None else t_head.bias.detach(),
-                labels=targets, mask=mask, beta=beta, temperature=temperature, ignore_index=ignore_index,
+                labels=targets, mask=mask, beta=beta, temperature=temperature, softcap=s_softcap,
+                teacher_softcap=t_softcap, ignore_index=ignore_index,
                 reduction=reduction, num_label_tokens=count, chunk_size=chunk_size, compile_chunks=compile_chunks,
             )
 

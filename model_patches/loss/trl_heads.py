@@ -7,7 +7,10 @@ the module global ``trl.trainer.utils._ChunkedLogProbFunction`` at call time and
 logit_scale, outputs)``. TRL's ``DistillationTrainer`` calls the module function
 ``trl.trainer.distillation_trainer._chunked_divergence_loss`` the same way. Two registry records
 (table ``"trl"``, gated on the TRL version) replace those two names, so every TRL head, added
-before or after, in every TRL trainer, goes through the replacement.
+before or after, in every TRL trainer, goes through the replacement. TRL's temperature, logit
+scales and final-logit soft-caps become functional_ce's own options (for the divergence, each
+model's: ``logit_scale``/``softcap`` for the student, ``teacher_logit_scale``/``teacher_softcap``
+for the teacher), so soft-capped models (Gemma 2/3) are routed too.
 
 Each replacement decides at call time, from this module's state:
 
@@ -115,14 +118,6 @@ def routed_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     return tuple(values.get(name) for name in ("log_probs", *_OPTIONAL_OUTPUTS))
 
 
-def _scaled(hidden: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> tuple:
-    """``hidden @ W.T + bias`` times ``scale`` as ``(scale * hidden) @ W.T + scale * bias`` (exact
-    in fp32; rounded once more in low precision); gradients chain through the products."""
-    if scale == 1.0:
-        return hidden, bias
-    return hidden * scale, None if bias is None else bias * scale
-
-
 def _full(weight: Any, bias: Any, dtype: torch.dtype) -> tuple:
     """TRL's own handling of an FSDP2 head: the full weight (in ``dtype``) and bias."""
     if isinstance(weight, torch.distributed.tensor.DTensor):
@@ -144,19 +139,12 @@ def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states
     over ``num_items_in_batch`` (over the counted positions, 0 when none, without it), its gradient
     reaches the student only; the entropy (of the tempered student distribution) has none.
 
-    The logit scales multiply the hidden states and biases (see :func:`_scaled`). The student's
-    entropy is a second, gradient-free pass over the student's head (functional_ce's divergence
-    does not return it). A soft-capped head raises ``ValueError``: functional_ce's distillation
-    has no soft-cap option.
+    Each model's logit scale and soft-cap go to functional_ce as that model's own (TRL's order:
+    scale, soft-cap, then temperature). The student's entropy is a second, gradient-free pass over
+    the student's head with the student's scale and soft-cap (functional_ce's divergence does not
+    return it).
     """
     loss_reached()
-    for who, cap in (("student", student_final_logit_softcapping), ("teacher", teacher_final_logit_softcapping)):
-        if cap is not None:
-            raise ValueError(
-                f"the {who}'s final_logit_softcapping={cap!r} soft-caps its logits, and "
-                "functional_ce.linear_distillation_loss has no soft-cap option; remove the enable_trl_heads "
-                "handle to distill soft-capped models with TRL's own kernel"
-            )
     ws, bs = _full(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     wt, bt = _full(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
     valid = completion_mask.reshape(-1) != 0
@@ -164,19 +152,19 @@ def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states
     ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
     ws, bs = _compute_inputs(hs, ws, bs)
     wt, bt = _compute_inputs(ht, wt, bt)
-    hs, bs = _scaled(hs, bs, float(student_logit_scale))
-    ht, bt = _scaled(ht.detach(), None if bt is None else bt.detach(), float(teacher_logit_scale))
     count = num_items_in_batch
     if isinstance(count, torch.Tensor):
         count = count.to(hs.device)
+    student = dict(temperature=float(temperature), softcap=student_final_logit_softcapping,
+                   logit_scale=float(student_logit_scale))
     loss = functional_ce.linear_distillation_loss(
-        hs, ws, ht, wt.detach(), student_bias=bs, teacher_bias=bt, mask=valid, beta=float(beta),
-        temperature=float(temperature), reduction="mean", num_label_tokens=count,
+        hs, ws, ht.detach(), wt.detach(), student_bias=bs, teacher_bias=None if bt is None else bt.detach(),
+        mask=valid, beta=float(beta), teacher_softcap=teacher_final_logit_softcapping,
+        teacher_logit_scale=float(teacher_logit_scale), reduction="mean", num_label_tokens=count, **student,
     )
     with torch.no_grad():
         _, entropy = functional_ce.linear_token_logprobs(
-            hs, ws, torch.zeros_like(valid, dtype=torch.long), bias=bs, mask=valid, temperature=float(temperature),
-            return_entropy=True,
+            hs, ws, torch.zeros_like(valid, dtype=torch.long), bias=bs, mask=valid, return_entropy=True, **student,
         )
     return loss, entropy.sum(), valid.sum()
 
@@ -321,7 +309,8 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
     ``trl.trainer.distillation_trainer._chunked_divergence_loss``. Both are looked up by TRL at call
     time, so the order does not matter: enable before or after building the trainer. The outputs
     have TRL's fields and dtypes, and match TRL's own kernel to float rounding (bf16 heads: to bf16
-    rounding). See the module docstring for DTensor heads, ZeRO-3 and soft-capped distillation.
+    rounding). Soft-capped models are routed with their own soft-caps. See the module docstring for
+    DTensor heads and ZeRO-3.
 
     Args:
         strict: a TRL release inside the gate whose objects have another signature raises

@@ -28,6 +28,8 @@ SPECS = st.builds(
     chunk_rows=st.integers(0, 2**20),
     vocab_start=st.integers(0, 2**31),
     n_classes=st.none() | st.integers(1, 2**31),
+    teacher_softcap=st.none() | st.floats(1e-3, 1e4),
+    teacher_logit_scale=st.floats(-1e3, 1e3),
 )
 
 
@@ -42,7 +44,8 @@ def test_the_encoded_spec_the_operators_receive_decodes_to_the_same_spec(spec):
 @given(SPECS)
 def test_the_maths_projection_keeps_exactly_the_fields_the_chunk_maths_reads(spec):
     maths = spec.maths()
-    kept = ("ignore_index", "label_smoothing", "z_loss", "softcap", "loss", "form", "vocab_start", "n_classes")
+    kept = ("ignore_index", "label_smoothing", "z_loss", "softcap", "loss", "form", "vocab_start", "n_classes",
+            "teacher_softcap", "teacher_logit_scale")
     assert all(getattr(maths, f) == getattr(spec, f) for f in kept)
     assert maths == LossSpec(**{f: getattr(spec, f) for f in kept})
 

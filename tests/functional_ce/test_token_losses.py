@@ -3,6 +3,7 @@ dtypes, forms and chunk sizes; edge cases; bad input; the compile ladder."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -17,6 +18,10 @@ from tests.support.reference import reference_generalized_jsd, reference_token_l
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 CHUNKS = st.sampled_from([None, "auto", 1, 5, 16])
+#: Distillation's per-model logit options: none; the student's soft-cap only; the teacher's only;
+#: both soft-caps (different) with both scales (different).
+CAPS = [{}, {"softcap": 3.0}, {"teacher_softcap": 2.0},
+        {"softcap": 3.0, "teacher_softcap": 5.0, "logit_scale": 1.5, "teacher_logit_scale": 0.5}]
 
 
 def _tol(dtype: torch.dtype, scale: float = 1.0) -> float:
@@ -65,9 +70,10 @@ def test_token_logprobs_and_entropy_match_fp64_for_any_upstream_gradient(n, v, d
 @given(n=st.integers(1, 30), v=st.integers(2, 60), dtype=DTYPES, chunk=CHUNKS, seed=st.integers(0, 2**16),
        beta=st.sampled_from([0.0, 1.0, 0.5, 0.1]), temperature=st.sampled_from([1.0, 2.0]),
        reduction=st.sampled_from(["mean", "sum", "none"]), with_labels=st.booleans(), with_mask=st.booleans(),
-       teacher_grad=st.booleans())
+       teacher_grad=st.booleans(), caps=st.sampled_from(CAPS))
 def test_distillation_from_logits_matches_trl_gkd_formula_in_fp64(n, v, dtype, chunk, seed, beta, temperature,
-                                                                  reduction, with_labels, with_mask, teacher_grad):
+                                                                  reduction, with_labels, with_mask, teacher_grad,
+                                                                  caps):
     g = torch.Generator().manual_seed(seed)
     student = (torch.randn(n, v, generator=g) * 2).to(dtype).requires_grad_()
     teacher = (torch.randn(n, v, generator=g) * 2).to(dtype).requires_grad_(teacher_grad)
@@ -80,9 +86,9 @@ def test_distillation_from_logits_matches_trl_gkd_formula_in_fp64(n, v, dtype, c
     counted &= mask if mask is not None else True
     got = functional_ce.distillation_loss(student, teacher, labels=labels, mask=mask, beta=beta,
                                           temperature=temperature, reduction=reduction, chunk_size=chunk,
-                                          compile_chunks=False)
+                                          compile_chunks=False, **caps)
     want = reference_generalized_jsd(student, teacher, counted, beta=beta, temperature=temperature,
-                                     reduction=reduction)
+                                     reduction=reduction, **caps)
     assert got.dtype == torch.float32 and got.shape == want.shape
     tol = _tol(dtype, 10.0 if reduction == "sum" else 1.0) * max(1.0, want.abs().max().item())
     _close(got, want, tol, "loss")
@@ -97,7 +103,8 @@ def test_distillation_from_logits_matches_trl_gkd_formula_in_fp64(n, v, dtype, c
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_linear_distillation_matches_fp64_with_a_teacher_of_another_width(beta, recompute, reduction):
+@pytest.mark.parametrize("caps", [CAPS[0], CAPS[-1]], ids=["plain", "capped"])
+def test_linear_distillation_matches_fp64_with_a_teacher_of_another_width(beta, recompute, reduction, caps):
     g = torch.Generator().manual_seed(int(beta * 10) + recompute)
     n, v, hs, ht = 29, 53, 12, 20
     s_h = torch.randn(n, hs, generator=g).requires_grad_()
@@ -108,10 +115,10 @@ def test_linear_distillation_matches_fp64_with_a_teacher_of_another_width(beta, 
     labels[::4] = -100
     got = functional_ce.linear_distillation_loss(
         s_h, s_w, t_h, t_w, student_bias=s_b, labels=labels, beta=beta, temperature=1.5, reduction=reduction,
-        recompute_logits_in_backward=recompute, chunk_size=8, compile_chunks=False)
+        recompute_logits_in_backward=recompute, chunk_size=8, compile_chunks=False, **caps)
     want = reference_generalized_jsd(
         s_h.double() @ s_w.double().T + s_b.double(), t_h.double() @ t_w.double().T, labels != -100, beta=beta,
-        temperature=1.5, reduction=reduction)
+        temperature=1.5, reduction=reduction, **caps)
     _close(got, want, 1e-5, "loss")
     up = torch.rand(got.shape, generator=g, dtype=torch.float64)
     leaves = (s_h, s_w, s_b, t_h)
@@ -221,6 +228,15 @@ def test_without_the_new_keywords_the_return_types_are_unchanged():
     assert len(functional_ce.token_logprobs(logits, labels, stats=["mean_logits"])) == 2
 
 
+@pytest.mark.parametrize("fn", [functional_ce.distillation_loss, functional_ce.linear_distillation_loss])
+def test_distillation_signatures_list_each_models_softcap_and_scale(fn):
+    """The teacher's soft-cap and scale are their own keywords, defaulting to none (not the student's)."""
+    params = inspect.signature(fn).parameters
+    for name, default in {"softcap": None, "logit_scale": 1.0, "teacher_softcap": None,
+                          "teacher_logit_scale": 1.0}.items():
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default, name
+
+
 def test_entropy_default_is_off_and_shapes_follow_the_labels():
     logits, labels = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
     logp = functional_ce.token_logprobs(logits, labels)
@@ -252,7 +268,13 @@ def test_double_backward_raises():
     (lambda x, y: functional_ce.distillation_loss(x, x, beta=-0.1), "beta", ValueError),
     (lambda x, y: functional_ce.distillation_loss(x, x[:, :5]), "one shape", ValueError),
     (lambda x, y: functional_ce.distillation_loss(x, x, labels=y, reduction="batchmean"), "reduction", ValueError),
-    (lambda x, y: functional_ce.distillation_loss(x, x, softcap=2.0), "softcap", TypeError),
+    (lambda x, y: functional_ce.distillation_loss(x, x, softcap=0.0), "softcap", ValueError),
+    (lambda x, y: functional_ce.distillation_loss(x, x, teacher_softcap=math.inf), "teacher_softcap", ValueError),
+    (lambda x, y: functional_ce.distillation_loss(x, x, teacher_softcap="2"), "teacher_softcap", TypeError),
+    (lambda x, y: functional_ce.distillation_loss(x, x, teacher_logit_scale=math.nan), "teacher_logit_scale",
+     ValueError),
+    (lambda x, y: functional_ce.cross_entropy(x, y, teacher_softcap=2.0), "teacher_softcap", TypeError),
+    (lambda x, y: functional_ce.token_logprobs(x, y, teacher_logit_scale=2.0), "teacher_logit_scale", TypeError),
     (lambda x, y: functional_ce.linear_distillation_loss(x, torch.randn(7, 7), x, torch.randn(6, 7)),
      "vocabularies", ValueError),
     (lambda x, y: functional_ce.linear_distillation_loss(x, torch.randn(7, 5), x, torch.randn(7, 7)),
@@ -320,11 +342,18 @@ def _compiled_vs_eager_calls():
             s, t, labels=labels, beta=0.3, temperature=2.0, compile_chunks=cc, **kw)),
         "linear_distillation_loss": ((hidden, weight), lambda x, w, cc: functional_ce.linear_distillation_loss(
             x, w, t_hidden, t_weight, labels=labels, beta=0.5, compile_chunks=cc, **kw)),
+        "distillation_loss_capped": ((logits, t_logits), lambda s, t, cc: functional_ce.distillation_loss(
+            s, t, labels=labels, beta=0.0, temperature=0.8, softcap=3.0, teacher_softcap=5.0, logit_scale=1.5,
+            compile_chunks=cc, **kw)),
+        "linear_distillation_loss_capped": ((hidden, weight), lambda x, w, cc: functional_ce.linear_distillation_loss(
+            x, w, t_hidden, t_weight, labels=labels, beta=1.0, softcap=4.0, teacher_softcap=2.0,
+            teacher_logit_scale=0.5, compile_chunks=cc, **kw)),
     }
 
 
 @pytest.mark.parametrize("name", ["token_logprobs", "linear_token_logprobs", "linear_token_logprobs_stats",
-                                  "distillation_loss", "linear_distillation_loss"])
+                                  "distillation_loss", "linear_distillation_loss", "distillation_loss_capped",
+                                  "linear_distillation_loss_capped"])
 def test_compiled_chunk_graphs_match_the_eager_chunk_maths(name):
     """The default path of an eager call runs each chunk through an inductor-compiled graph: it
     gives the eager chunk maths' values and gradients."""
@@ -333,7 +362,7 @@ def test_compiled_chunk_graphs_match_the_eager_chunk_maths(name):
     for compile_chunks in (False, True):
         leaves = [t.clone().requires_grad_() for t in inputs]
         out = fn(*leaves, compile_chunks)
-        grads = torch.autograd.grad(out, leaves[:1] if name == "distillation_loss" else leaves)
+        grads = torch.autograd.grad(out, leaves[:1] if name.startswith("distillation_loss") else leaves)
         results.append((out.detach(), grads))
     (eager, g_eager), (compiled, g_compiled) = results
     assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), (compiled, eager)

@@ -37,6 +37,7 @@ DISTILL_OPTIONS = [
     {"beta": 0.0, "temperature": 2.0, "reduction": "sum"},
     {"beta": 1.0, "reduction": "none", "mask": True},
     {"beta": 0.2, "num_label_tokens": 9, "chunk_size": 3},
+    {"beta": 0.5, "softcap": 4.0, "teacher_softcap": 2.5, "logit_scale": 1.5, "teacher_logit_scale": 0.7},
 ]
 
 

@@ -139,7 +139,8 @@ def reference(case: TokenCase, inputs: Inputs) -> tuple[list[torch.Tensor], list
         outs = [reference_generalized_jsd(
             _logits64(tuple(student)), _logits64(tuple(teacher)), inputs.counted, beta=opts.get("beta", 0.5),
             temperature=opts.get("temperature", 1.0), reduction=opts.get("reduction", "mean"),
-            num_label_tokens=opts.get("num_label_tokens"))]
+            num_label_tokens=opts.get("num_label_tokens"),
+            **{k: opts[k] for k in ("softcap", "teacher_softcap", "logit_scale", "teacher_logit_scale") if k in opts})]
     leaves = student + (teacher if case.teacher_grad else [])
     grads = torch.autograd.grad(_weighted(outs, case.seed + 1), leaves)
     return [o.detach() for o in outs], list(grads)

@@ -164,11 +164,22 @@ def test_teacher_of_another_family_and_hidden_size_with_biased_heads():
     _distillation_case(student, teacher, batch, _shift(batch["labels"]) != -100, beta=0.3, temperature=1.5)
 
 
-def test_gemma2_distils_once_its_softcap_is_off():
-    student = tiny_loss_model("gemma2", final_logit_softcapping=None)  # tied embeddings
-    teacher = tiny_loss_model("gemma2", seed=1, final_logit_softcapping=None)
+@pytest.mark.parametrize("student_type, teacher_type, caps", [
+    ("gemma2", "gemma2", {}),  # the families' own soft-cap, 5.0
+    ("gemma3_text", "gemma3_text", {}),
+    ("gemma2", "gemma3_text", (0.3, 0.7)),  # caps small enough to bite on tiny logits, and different
+    ("gemma2", "llama", (0.4, None)),  # a capped student, an uncapped teacher
+    ("llama", "gemma3_text", (None, 0.4)),
+    ("gemma2", "gemma2", (None, None)),
+])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_soft_capped_models_distil_each_with_its_own_softcap(student_type, teacher_type, caps, beta):
+    """The reference is the models' own logits, which Transformers soft-caps in forward."""
+    over = [{} if not caps else {"final_logit_softcapping": cap} for cap in (caps or (None, None))]
+    student = tiny_loss_model(student_type, **over[0])  # Gemma: tied embeddings
+    teacher = tiny_loss_model(teacher_type, seed=1, **over[1])
     batch = padded_batch()
-    _distillation_case(student, teacher, batch, _shift(batch["labels"]) != -100, beta=0.5)
+    _distillation_case(student, teacher, batch, _shift(batch["labels"]) != -100, beta=beta, temperature=0.7)
 
 
 def test_without_labels_the_shifted_attention_mask_counts_tokens():
@@ -210,10 +221,6 @@ def test_teacher_batch_is_what_the_teacher_sees():
         (lambda: model_patches.causal_lm_distillation_loss(
             tiny_loss_model("llama"), tiny_loss_model("granite", logits_scaling=4.0), **padded_batch()),
          r"causal_lm_distillation_loss cannot run Granite.*config.logits_scaling=4.0"),
-        (lambda: model_patches.causal_lm_distillation_loss(tiny_loss_model("gemma2"), tiny_loss_model("llama"), **padded_batch()),
-         r"student's config.final_logit_softcapping=5.0"),
-        (lambda: model_patches.causal_lm_distillation_loss(tiny_loss_model("llama"), tiny_loss_model("gemma2"), **padded_batch()),
-         r"teacher's config.final_logit_softcapping=5.0"),
         (lambda: model_patches.causal_lm_distillation_loss(
             tiny_loss_model("llama"), tiny_loss_model("llama", vocab_size=301), **padded_batch()),
          r"student's vocabulary has 300 entries and the teacher's 301"),
@@ -223,7 +230,7 @@ def test_teacher_batch_is_what_the_teacher_sees():
         (lambda: model_patches.causal_lm_token_logprobs(tiny_loss_model("llama"), **_inputs(padded_batch())),
          r"needs labels=\[B, T\] or shift_labels"),
     ],
-    ids=["logit-scale", "logits-scaling", "student-softcap", "teacher-softcap", "vocab", "teacher-rows", "no-labels"],
+    ids=["logit-scale", "logits-scaling", "vocab", "teacher-rows", "no-labels"],
 )
 def test_what_cannot_be_reproduced_is_refused(call, match):
     with pytest.raises(ValueError, match=match):
@@ -373,9 +380,8 @@ def test_every_family_gives_the_full_logits_log_probs_entropy_and_divergence(mod
                                                    softcap=None)  # the model's own logits are capped already
         _assert_close(logp, ref_lp, what=f"{model_type} logp")
         _assert_close(ent, ref_ent, what=f"{model_type} entropy")
-        if getattr(model.config, "final_logit_softcapping", None) is None:
-            teacher = tiny_loss_model(model_type, seed=1).eval()
-            kd = model_patches.causal_lm_distillation_loss(model, teacher, **batch, beta=0.3)
-            ref = reference_generalized_jsd(logits[:, :-1], teacher(**_inputs(batch)).logits[:, :-1],
-                                            targets[:, :-1] != -100, beta=0.3)
-            _assert_close(kd, ref, what=f"{model_type} distillation")
+        teacher = tiny_loss_model(model_type, seed=1).eval()
+        kd = model_patches.causal_lm_distillation_loss(model, teacher, **batch, beta=0.3)
+        ref = reference_generalized_jsd(logits[:, :-1], teacher(**_inputs(batch)).logits[:, :-1],
+                                        targets[:, :-1] != -100, beta=0.3)
+        _assert_close(kd, ref, what=f"{model_type} distillation")

@@ -2,10 +2,10 @@
 
 Kernel-level parity with TRL's own kernel (every ``outputs`` combination, temperature, soft-cap,
 logit scale, bias, bf16, gradients), the model-level ``FusedCausalLMOutput`` contract, the
-divergence for beta 0 / 0.5 / 1, the handles (undo, reference counts, refusal mode), and real
-``trl.SFTTrainer`` runs on a tiny random Llama: the routed run calls functional_ce and logs the
-losses of a plain TRL run. Chunks run eagerly here (compiled chunk graphs are tested in
-tests/functional_ce).
+divergence for beta 0 / 0.5 / 1 with and without each model's soft-cap, the handles (undo,
+reference counts, refusal mode), and real ``trl.SFTTrainer`` runs on a tiny random Llama: the
+routed run calls functional_ce and logs the losses of a plain TRL run. Chunks run eagerly here
+(compiled chunk graphs are tested in tests/functional_ce).
 """
 
 from __future__ import annotations
@@ -188,10 +188,13 @@ def _divergence(fn, inputs, **kw):
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature, scales, count", [(1.0, (1.0, 1.0), None), (1.7, (0.5, 2.0), 11)])
-def test_divergence_matches_trls_for_beta_and_temperature(beta, temperature, scales, count):
+@pytest.mark.parametrize("softcaps", [(None, None), (3.0, None), (None, 2.5), (4.0, 2.0)],
+                         ids=["uncapped", "student-capped", "teacher-capped", "both-capped"])
+def test_divergence_matches_trls_for_beta_temperature_and_softcaps(beta, temperature, scales, count, softcaps):
     inputs = _divergence_inputs(int(beta * 10) + int(temperature * 10))
     kw = dict(beta=beta, temperature=temperature, num_items_in_batch=None if count is None else torch.tensor(count),
-              student_logit_scale=scales[0], teacher_logit_scale=scales[1])
+              student_logit_scale=scales[0], teacher_logit_scale=scales[1],
+              student_final_logit_softcapping=softcaps[0], teacher_final_logit_softcapping=softcaps[1])
     (got, grads), (want, ref_grads) = _divergence(trl_heads.routed_divergence, inputs, **kw), _divergence(
         TRL_DIVERGENCE, inputs, **kw)
     assert torch.equal(got[2], want[2]) and got[2].dtype == want[2].dtype
@@ -216,11 +219,13 @@ def test_divergence_as_the_trainer_calls_it_routes_through_functional_ce(monkeyp
             student_lm_head_bias=inputs["student_lm_head_bias"], teacher_lm_head_bias=None, student_logit_scale=1.0,
             teacher_logit_scale=1.0, student_final_logit_softcapping=None, teacher_final_logit_softcapping=None,
             temperature=1.0)
-        with pytest.raises(ValueError, match="soft-cap"):
-            distillation_module._chunked_divergence_loss(**inputs, beta=0.5, student_final_logit_softcapping=30.0)
-    assert calls == [1]
+        capped = distillation_module._chunked_divergence_loss(
+            **inputs, beta=0.5, student_final_logit_softcapping=3.0, teacher_final_logit_softcapping=2.0)
+    assert calls == [1, 1]
     want = TRL_DIVERGENCE(**inputs, beta=0.5)
     assert torch.allclose(got[0], want[0], rtol=1e-5)
+    want = TRL_DIVERGENCE(**inputs, beta=0.5, student_final_logit_softcapping=3.0, teacher_final_logit_softcapping=2.0)
+    assert torch.allclose(capped[0], want[0], rtol=1e-5)
 
 
 def test_handles_undo_refcount_and_refusal_mode():

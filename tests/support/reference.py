@@ -58,6 +58,16 @@ def reference_cross_entropy(
     return total
 
 
+def tempered(logits: torch.Tensor, *, temperature: float = 1.0, softcap: Optional[float] = None,
+             logit_scale: float = 1.0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The logits a token loss sees, in ``dtype``: ``x = logits * logit_scale``, then
+    ``softcap * tanh(x / softcap)`` (if given), then ``/ temperature``."""
+    x = logits.to(dtype) * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    return x / temperature
+
+
 def reference_token_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -72,14 +82,12 @@ def reference_token_logprobs(
     ``z = softcap * tanh(x / softcap)`` (if given), then ``z / temperature``; ``logp =
     log_softmax(z)[label]``, ``entropy = -(softmax(z) * log_softmax(z)).sum(-1)``; both 0 where the
     label is ``ignore_index``."""
-    x = logits.to(dtype) * logit_scale
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    logp_all = torch.log_softmax(x / temperature, dim=-1)
+    z = tempered(logits, temperature=temperature, softcap=softcap, logit_scale=logit_scale, dtype=dtype)
+    logp_all = torch.log_softmax(z, dim=-1)
     valid = labels != ignore_index
     logp = logp_all.gather(-1, torch.where(valid, labels, 0).long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    zero = torch.zeros((), dtype=dtype, device=x.device)
+    zero = torch.zeros((), dtype=dtype, device=z.device)
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
 
@@ -98,10 +106,7 @@ def reference_token_stats(
     detached, on the tempered logits ``z`` of :func:`reference_token_logprobs`: ``is_top1`` (bool:
     ``argmax(z) == label``, torch's argmax being the first maximum), ``log_sum_sq_probs``
     (``log(sum softmax(z) ** 2)``) and ``mean_logits`` (``z.mean(-1)``); 0 / False where ignored."""
-    x = logits.detach().to(dtype) * logit_scale
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
-    z = x / temperature
+    z = tempered(logits.detach(), temperature=temperature, softcap=softcap, logit_scale=logit_scale, dtype=dtype)
     valid = labels != ignore_index
     zero = torch.zeros((), dtype=dtype, device=z.device)
     value = {
@@ -122,11 +127,18 @@ def reference_generalized_jsd(
     reduction: str = "mean",
     num_label_tokens=None,
     dtype: torch.dtype = torch.float64,
+    softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """TRL GKD's ``generalized_jsd_loss`` per token ``[...]`` (summed over the vocabulary) on the
-    ``counted`` (bool ``[...]``) positions, reduced like :func:`reference_cross_entropy`."""
-    s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
-    t = torch.log_softmax(teacher_logits.to(dtype) / temperature, dim=-1)
+    ``counted`` (bool ``[...]``) positions, reduced like :func:`reference_cross_entropy`; each
+    model's logits go through :func:`tempered` with its own scale and soft-cap."""
+    s = torch.log_softmax(tempered(student_logits, temperature=temperature, softcap=softcap,
+                                   logit_scale=logit_scale, dtype=dtype), dim=-1)
+    t = torch.log_softmax(tempered(teacher_logits, temperature=temperature, softcap=teacher_softcap,
+                                   logit_scale=teacher_logit_scale, dtype=dtype), dim=-1)
 
     def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:  # KL(p || q)
         return (p_log.exp() * (p_log - q_log)).sum(-1)
