@@ -156,9 +156,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
     With ``p_s = softmax(z_s / T)``, ``p_t = softmax(z_t / T)`` (``T = temperature``, no ``T**2``
     factor, as in TRL), where each model's ``z`` is its logits times its logit scale, then
-    soft-capped with its own soft-cap (TRL's ``DistillationTrainer`` order): ``beta=0`` is ``KL(p_t || p_s)``, ``beta=1`` is ``KL(p_s || p_t)``,
-    otherwise ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with
-    ``m = beta * p_t + (1 - beta) * p_s``; per token, summed over the vocabulary (``0 * log 0 =
+    soft-capped with its own soft-cap (TRL's ``DistillationTrainer`` order): ``beta=0`` is
+    ``KL(p_t || p_s)``, ``beta=1`` is ``KL(p_s || p_t)``, otherwise
+    ``beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`` with ``m = beta * p_t + (1 - beta) * p_s``;
+    per token, summed over the vocabulary (``0 * log 0 =
     0``). No ``[N, V]`` buffer is built beyond the logits' gradients. Gradients reach the student's
     logits, and the teacher's when they require grad.
 

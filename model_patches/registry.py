@@ -249,8 +249,9 @@ class PatchHandle(Handle):
     replacement is taken out from under that code when it holds the replacement in a closure
     (it then calls the original); otherwise ``remove()`` raises ``ValueError`` naming the target
     and changes nothing: putting the original back would delete that later code, which still
-    calls this handle's replacement. Remove the later patch first, then this handle. ``companions``: other handles that belong to
-    the same patch (hooks, guards), removed with it, last added first.
+    calls this handle's replacement. Remove the later patch first, then this handle.
+    ``companions``: other handles that belong to the same patch (hooks, guards), removed with it,
+    last added first.
     """
 
     def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "",

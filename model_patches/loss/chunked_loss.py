@@ -153,7 +153,8 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
     handle.companions.append(refuse_unrouted_trl_heads(
         "enable_chunked_loss routes Transformers' LOSS_MAPPING, which TRL's fused LM head and chunked divergence "
-        f"never call: this step would run TRL's own kernel and leave the chunked loss silently unused. {_TRAINER_HEAD_FIX}"
+        "never call: this step would run TRL's own kernel and leave the chunked loss silently unused. "
+        + _TRAINER_HEAD_FIX
     ))
     if model is not None:
         handle.companions.append(LossUseWatch(model, "enable_chunked_loss", _TRAINER_HEAD_FIX))

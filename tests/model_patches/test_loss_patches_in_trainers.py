@@ -71,8 +71,8 @@ def test_a_labelled_training_call_that_skips_the_loss_is_reported_once_per_model
         plain = type(model).forward.__get__(model)
 
         def own_loss(**kwargs):  # code installed later that computes the loss itself
-            out = plain(**{k: v for k, v in kwargs.items() if k != "labels"})
-            return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), kwargs["labels"][:, 1:].flatten())
+            logits = plain(**{k: v for k, v in kwargs.items() if k != "labels"}).logits
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), kwargs["labels"][:, 1:].flatten())
 
         model.forward = own_loss
         with pytest.warns(UserWarning, match="enable_hidden_state_loss.*without reaching"):
@@ -217,8 +217,9 @@ def _grpo(model, out_dir, steps: int = 2):
         max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
         disable_tqdm=True, logging_steps=1, seed=0,
     )
-    return trl.GRPOTrainer(model=model, reward_funcs=[lambda completions, **_: [float(len(c)) for c in completions]],
-                           args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=word_tokenizer())
+    reward = lambda completions, **_: [float(len(c)) for c in completions]  # noqa: E731
+    return trl.GRPOTrainer(model=model, reward_funcs=[reward], args=args,
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=word_tokenizer())
 
 
 def test_grpo_trainer_routes_its_head_refuses_the_hidden_state_loss_and_generates_under_packing(tmp_path, rows,
