@@ -135,6 +135,7 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
     ``functional_ce``. With ``model=``, a trainer head already installed on it is refused now, and
     a training call of it with labels that finishes without reaching the routed loss (a
     replaced forward that computes its own) is reported once (``UserWarning`` and a log record).
+    With TRL installed, enabling imports ``trl.trainer.utils`` (about 2 s the first time).
 
     Args:
         model: optional ``*ForCausalLM`` to check and watch (the patch itself is process-wide).

@@ -355,7 +355,8 @@ def enable_hidden_state_loss(
     that head through ``functional_ce``; so are TRL's fused kernels while TRL's heads are not
     routed (the distillation trainer calls them without calling the model). Any other training
     call with labels that finishes without reaching this loss is reported once per model
-    (``UserWarning`` and a log record).
+    (``UserWarning`` and a log record). With TRL installed, enabling imports ``trl.trainer.utils``
+    (about 2 s the first time).
 
     Args:
         model: a ``*ForCausalLM`` that :func:`causal_lm_loss` supports (checked now).
