@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional, Sequence
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
+from .calls import holding_cell
+
 __all__ = [
     "PatchRecord",
     "Handle",
@@ -266,8 +268,6 @@ class PatchHandle(Handle):
             super().remove()
 
     def _undo(self) -> None:
-        from .calls import holding_cell
-
         releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
         replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
         stuck = [t for t in replaced if holding_cell(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]

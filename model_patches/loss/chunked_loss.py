@@ -30,7 +30,7 @@ import functional_ce
 
 from ..calls import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
-from .loss_use import LossUseWatch, loss_reached, trainer_fused_head
+from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
@@ -115,13 +115,6 @@ LOSS_RECORDS: tuple[PatchRecord, ...] = (
 )
 
 
-#: What to do instead when a trainer's own head computes the loss.
-_TRAINER_HEAD_FIX = (
-    "Fix: model_patches.enable_trl_heads() routes TRL's heads through functional_ce (before or after the "
-    "trainer is built); or remove the chunked-loss handle"
-)
-
-
 def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool = True) -> PatchHandle:
     """Route ``model(..., labels=...)``'s causal-LM loss through ``functional_ce.cross_entropy``.
 
@@ -149,16 +142,16 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
     if head is not None:
         raise ValueError(
             f"enable_chunked_loss: {head} is installed on {type(model).__name__} and computes its training loss "
-            f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {_TRAINER_HEAD_FIX}"
+            f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {TRAINER_HEAD_FIX}"
         )
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
     handle.companions.append(refuse_unrouted_trl_heads(
         "enable_chunked_loss routes Transformers' LOSS_MAPPING, which TRL's fused LM head and chunked divergence "
         "never call: this step would run TRL's own kernel and leave the chunked loss silently unused. "
-        + _TRAINER_HEAD_FIX
+        + TRAINER_HEAD_FIX
     ))
     if model is not None:
-        handle.companions.append(LossUseWatch(model, "enable_chunked_loss", _TRAINER_HEAD_FIX))
+        handle.companions.append(LossUseWatch(model, "enable_chunked_loss", TRAINER_HEAD_FIX))
     return handle
 
 

@@ -40,7 +40,7 @@ from functional_ce.spec import ChunkSize
 
 from ..calls import unwrap_from_under
 from ..registry import Handle
-from .loss_use import FUSED_HEAD_KEYWORD, LossUseWatch, loss_reached, trainer_fused_head
+from .loss_use import FUSED_HEAD_KEYWORD, TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
@@ -328,13 +328,6 @@ class HiddenStateLossHandle(Handle):
         return f"{type(self._model).__name__}.forward"
 
 
-#: What to do instead when a trainer's own head computes the loss.
-_TRAINER_HEAD_FIX = (
-    "Fix: model_patches.enable_trl_heads() routes TRL's head through functional_ce (the same hidden-state "
-    "loss, before or after the trainer is built); remove this patch (handle.remove())"
-)
-
-
 def enable_hidden_state_loss(
     model: nn.Module, *, chunk_size: ChunkSize = "auto", compile_chunks: Optional[bool] = None
 ) -> HiddenStateLossHandle:
@@ -380,7 +373,7 @@ def enable_hidden_state_loss(
     head = trainer_fused_head(model)
     if head is not None:
         _refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
-                "states itself, so this patch would never run", _TRAINER_HEAD_FIX, "enable_hidden_state_loss")
+                "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_hidden_state_loss")
     had_own = "forward" in model.__dict__
     own = model.__dict__.get("forward")
     original = model.forward
@@ -410,13 +403,12 @@ def enable_hidden_state_loss(
     # whether to pass num_items_in_batch.
     forward.__signature__ = signature  # type: ignore[attr-defined]
     forward._hidden_state_loss = True  # type: ignore[attr-defined]
-    forward.__wrapped_forward__ = original  # type: ignore[attr-defined]
     companions = (
         refuse_unrouted_trl_heads(
             f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
-            f"loss from hidden states instead, so the patch is silently unused. {_TRAINER_HEAD_FIX}"
+            f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}"
         ),
-        LossUseWatch(model, "enable_hidden_state_loss", _TRAINER_HEAD_FIX),
+        LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
     )
     model.forward = forward
     return HiddenStateLossHandle(model, had_own, own, forward, original, companions)

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..registry import Handle
 
-__all__ = ["LossUseWatch", "loss_reached", "trainer_fused_head"]
+__all__ = ["FUSED_HEAD_KEYWORD", "TRAINER_HEAD_FIX", "LossUseWatch", "loss_reached", "trainer_fused_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ FUSED_HEADS = {
 }
 #: The keyword a caller passes to ask a trainer's fused head for its output.
 FUSED_HEAD_KEYWORD = "fused_lm_head"
+#: What to do instead when a trainer's own head computes the loss a patch of this library owns.
+TRAINER_HEAD_FIX = (
+    "Fix: model_patches.enable_trl_heads() routes TRL's heads through functional_ce (before or after the "
+    "trainer is built), or remove this patch (handle.remove())"
+)
 
 
 def loss_reached() -> None:
@@ -61,19 +66,9 @@ def _function_of(forward: Any) -> Any:
 
 
 def trainer_fused_head(model: nn.Module) -> Optional[str]:
-    """Who installed a trainer's own fused LM head as ``model``'s forward, or None.
-
-    Looks through this library's own forward wrappers (``__wrapped_forward__``) down to the
-    first forward that is not ours.
-    """
-    forward = model.__dict__.get("forward")
-    while forward is not None:
-        code = getattr(_function_of(forward), "__code__", None)
-        who = FUSED_HEADS.get(getattr(code, "co_qualname", ""))
-        if who is not None:
-            return who
-        forward = getattr(forward, "__wrapped_forward__", None)
-    return None
+    """Who installed a trainer's own fused LM head as ``model``'s forward, or None."""
+    code = getattr(_function_of(model.__dict__.get("forward")), "__code__", None)
+    return FUSED_HEADS.get(getattr(code, "co_qualname", ""))
 
 
 class LossUseWatch(Handle):
@@ -82,7 +77,10 @@ class LossUseWatch(Handle):
     hooks off."""
 
     def __init__(self, model: nn.Module, who: str, fix: str) -> None:
+        from .trl_heads import trl_heads_routed  # it imports this module (loss_reached)
+
         self._model, self._who, self._fix = model, who, fix
+        self._routed = trl_heads_routed
         self._warned = False
         self._depth = 0
         self._start = 0
@@ -95,9 +93,7 @@ class LossUseWatch(Handle):
         if self._depth == 0 and not torch.compiler.is_compiling():
             self._start = _REACHED[0]
         self._depth += 1  # first: the after-hook runs (always_call) even when this hook raises
-        from .trl_heads import trl_heads_routed  # it counts with loss_reached: imported at call time
-
-        if kwargs.get(FUSED_HEAD_KEYWORD) and not trl_heads_routed():
+        if kwargs.get(FUSED_HEAD_KEYWORD) and not self._routed():
             raise ValueError(
                 f"{self._who} is active on {type(module).__name__}, but this call asks "
                 f"{trainer_fused_head(module) or 'a trainer fused LM head'} for its output "

@@ -265,17 +265,19 @@ def _trl_version() -> Optional[str]:
 _NOT_INSTALLED = "trl is not installed"
 
 
-class _ModeHandle(PatchHandle):
-    """The records' handle, plus this handle's entry in one mode's registry, dropped on removal."""
+class _ModeEntry(Handle):
+    """One handle's entry in a mode's registry; a companion of the records' handle, so it is
+    dropped only once that handle's checks pass."""
 
-    def __init__(self, inner: PatchHandle, mode: dict, value: Any, what: str) -> None:
-        super().__init__(inner._targets, inner.rows, what)
+    def __init__(self, mode: dict, value: Any) -> None:
         self._mode = mode
         mode[id(self)] = value
 
     def _undo(self) -> None:
-        super()._undo()  # raises, changing nothing, when the targets were wrapped after this
         self._mode.pop(id(self), None)
+
+    def _describe(self) -> str:
+        return "trl heads mode entry"
 
 
 class _NoTrlHandle(Handle):
@@ -296,8 +298,9 @@ def _enable(mode: dict, value: Any, what: str, strict: bool) -> Handle:
     version = _trl_version()
     if version is None:
         return _NoTrlHandle(what)
-    inner = apply_records(RECORDS, strict=strict, version=version, what=what)
-    return _ModeHandle(inner, mode, value, what)
+    handle = apply_records(RECORDS, strict=strict, version=version, what=what)
+    handle.companions.append(_ModeEntry(mode, value))
+    return handle
 
 
 def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
