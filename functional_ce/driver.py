@@ -409,7 +409,7 @@ def reduce_rows(loss_rows: torch.Tensor, tokens: Tokens, spec: LossSpec) -> torc
     if tokens.weights is not None:
         loss_rows = loss_rows * tokens.weights.reshape(-1).float()
     if spec.reduction == "none":
-        return loss_rows.reshape(*tokens.batch_shape, *loss_rows.shape[1:])
+        return loss_rows.reshape((*tokens.batch_shape, *loss_rows.shape[1:]))
     return _divide(loss_rows.sum(), _denominator(tokens, spec))
 
 

@@ -27,12 +27,12 @@ def _split(rows: torch.Tensor, options: dict[str, Any]) -> LogProbs:
     if not (return_entropy or stats):
         return rows
     first = 2 if return_entropy else 1
-    if not stats:
-        return tuple(rows.unbind(-1))  # type: ignore[return-value]
-    # select, not unbind: unbind's backward stacks a zero for every unused column, which a
-    # DTensor result cannot mix with plain tensors
-    kept = tuple(rows[..., i] for i in range(first))
-    extra = tuple(rows[..., first + i].detach() for i in range(len(stats)))
+    # Copies of single columns, not unbind's views: unbind's backward stacks a plain zero tensor
+    # for every output that got no gradient, which a DTensor result cannot mix with its DTensor
+    # gradients; and compiled graphs with DTensor outputs refuse outputs that alias each other.
+    # Each copy is O(N).
+    kept = tuple(rows[..., i].clone() for i in range(first))
+    extra = tuple(rows[..., first + i].detach().clone() for i in range(len(stats)))
     return (*kept, *(c > 0.5 if name == "is_top1" else c for name, c in zip(stats, extra)))
 
 
@@ -258,7 +258,8 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     n = math.prod(hs.shape[:-1])
     spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
                              n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
-    return driver.loss_rows(hs.reshape(n, -1), ws, bs, tokens, spec, second=(ht.reshape(n, -1), wt, bt))
+    second = (ht.reshape(n, ht.shape[-1]), wt, bt)
+    return driver.loss_rows(hs.reshape(n, hs.shape[-1]), ws, bs, tokens, spec, second=second)
 
 
 keyword_signature(token_logprobs, "logits", loss="token_logprobs")

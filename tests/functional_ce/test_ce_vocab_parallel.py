@@ -343,3 +343,26 @@ def test_property_any_shape_vocabulary_and_options(pool, seed, batch_shape, v, m
     _check_linear(ranks[0][1], seed, batch_shape, 8, v, dtype, opts, bias, processes=mesh_shape[mesh_dim])
     for r in ranks:
         _check_logits_bytes(r[0], math.prod(batch_shape))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_every_batch_shape_over_a_sharded_vocabulary(pool, reduction):
+    """An unbatched sample ``[V]`` (``[H]`` hidden) and 1 to 3 token dims, both forms, over 2 and
+    3 processes; hidden states sequence-parallel over their last token dim where there is one."""
+    shapes = [(), (5,), (2, 3), (2, 2, 2)]
+    opts = {"reduction": reduction, "mask": True}
+    calls = []
+    for seed, shape in enumerate(shapes):
+        calls.append((tasks.logits_case, (0, seed, shape, V, torch.float32, opts)))
+        calls.append((tasks.linear_case, (0, seed, shape, 8, V, torch.float32, opts, True,
+                                          len(shape) - 1 if shape else None)))
+    for processes in (2, 3):
+        ranks = [r for r in pool.run(tasks.many_tasks, (processes,), calls) if r is not None]
+        assert len(ranks) == processes
+        for r in ranks:
+            for i, shape in enumerate(shapes):
+                logits_result, linear_result = r[2 * i], r[2 * i + 1]
+                assert logits_result.loss.shape == (shape if reduction == "none" else ())
+                assert linear_result.loss.shape == (shape if reduction == "none" else ())
+                _check_logits(logits_result, i, shape, torch.float32, opts)
+                _check_linear(linear_result, i, shape, 8, V, torch.float32, opts, True, processes=processes)

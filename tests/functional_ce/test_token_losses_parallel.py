@@ -8,6 +8,7 @@ uneven; V = 3 over 4 processes leaves one shard empty. One pool of processes ser
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -63,6 +64,9 @@ def _check(result: tasks.TokenResult, case: TokenCase, processes: int) -> None:
         _close(got, want, case.dtype, f"output {case}", 1.0 if case.form == "logits" else 4.0)
     assert len(result.grads) == len(ref_grads)
     for i, (got, want) in enumerate(zip(result.grads, ref_grads)):
+        if want is None:  # no output got an upstream gradient
+            assert got is None, f"gradient {i} {case}"
+            continue
         assert got.dtype == case.dtype
         # a partial hidden gradient per process, rounded before DTensor adds them
         _close(got, want, case.dtype, f"gradient {i} {case}", 4.0 * processes)
@@ -207,3 +211,67 @@ def test_compiled_user_losses_over_dtensor_match_eager(pool):
 def test_student_and_teacher_must_share_one_layout(pool, what):
     for message in pool.run(tasks.mismatched_teacher, (2,), what)[:2]:
         assert message.startswith("ValueError") and "share one layout" in message, message
+
+
+#: Which outputs get an upstream gradient: each alone, both, neither (log-probs, entropy).
+LOGPROB_UPSTREAMS = [(0,), (1,), (0, 1), ()]
+BATCH_SHAPES = [(), (5,), (2, 3), (2, 2, 2)]
+
+
+def _upstream_cases(form: str, **extra) -> list[TokenCase]:
+    """Every combination of upstream gradients, with and without the extra statistics, on every
+    batch shape (the unbatched sample included); the upstream applied by DTensor ops on the
+    outputs in every other case, on their local values otherwise."""
+    cases = []
+    for i, shape in enumerate(BATCH_SHAPES):
+        for j, grad_to in enumerate(LOGPROB_UPSTREAMS):
+            for k, opts in enumerate([{"return_entropy": True, "temperature": 0.7},
+                                      {"return_entropy": True, "stats": ("is_top1", "mean_logits"), "mask": True}]):
+                seed = 100 * i + 10 * j + k
+                cases.append(TokenCase("logprobs", form, 0, seed, shape, V, torch.float32, opts, grad_to=grad_to,
+                                       dtensor_upstream=seed % 2 == 0, **extra))
+        for j, grad_to in enumerate([(0,), ()]):
+            seed = 100 * i + 50 + j
+            cases.append(TokenCase("distillation", form, 0, seed, shape, V, torch.float32,
+                                   {"beta": 0.5, "reduction": "none" if j else "mean"}, grad_to=grad_to,
+                                   teacher_grad=True, dtensor_upstream=j == 0, **extra))
+    return cases
+
+
+@pytest.mark.parametrize("form,sequence_parallel", [("logits", False), ("hidden", False), ("hidden", True)],
+                         ids=["logits", "hidden-replicate", "hidden-seq-parallel"])
+def test_any_subset_of_outputs_may_carry_the_gradient_on_any_batch_shape(pool, form, sequence_parallel):
+    """An entropy bonus alone, the log-probs alone, both, or neither (and the distillation loss
+    with or without a gradient), on unbatched and batched tokens, over a vocabulary sharded on
+    3 processes: the fp64 reference's values and gradients; no gradient where none flowed."""
+    cases = _upstream_cases(form, bias=form == "hidden")
+    if sequence_parallel:  # tokens sharded over their last dim; an unbatched sample has none
+        cases = [dataclasses.replace(c, token_dim=len(c.batch_shape) - 1) for c in cases if c.batch_shape]
+    per_rank = [r for r in pool.run(tasks.many, (3,), tasks.vocab_parallel_case, cases) if r is not None]
+    assert len(per_rank) == 3
+    for i, case in enumerate(cases):
+        for r in (ranks[i] for ranks in per_rank):
+            _check(r, case, 3)
+            per_token = case.loss == "logprobs" or case.opts.get("reduction") == "none"
+            assert all(o.shape == (case.batch_shape if per_token else ()) for o in r.outputs), case
+
+
+def test_fsdp2_heads_any_subset_of_outputs_may_carry_the_gradient(pool):
+    """The same combinations on FSDP2-sharded heads with plain hidden states (2 processes)."""
+    cases = _upstream_cases("hidden")
+    per_rank = [r for r in pool.run(tasks.many, (2,), tasks.fsdp_case, cases) if r is not None]
+    for i, case in enumerate(cases):
+        for r in (ranks[i] for ranks in per_rank):
+            ref_outputs, ref_grads = r["reference"]
+            for got, want in zip(r["outputs"], ref_outputs):
+                if want.dtype == torch.bool:
+                    assert torch.equal(got, want), case
+                else:
+                    _close(got, want, case.dtype, f"output {case}", 4.0)
+            for k, (got, want) in enumerate(zip(r["grads"], ref_grads)):
+                if want is None:
+                    assert got is None, (k, case)
+                    continue
+                heads = 2 if case.teacher_grad else 1
+                scale = 1 if k % (len(ref_grads) // heads) == 0 else 2  # a parameter's gradient: two copies
+                _close(got, want * scale, case.dtype, f"gradient {k} {case}", 8.0)

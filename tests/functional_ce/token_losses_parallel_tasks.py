@@ -30,7 +30,10 @@ class TokenCase:
 
     ``token_dim``: hidden states sequence-parallel over that token dim (None: ``Replicate()``);
     ``teacher_h``: the teacher's hidden size; ``teacher_grad``: the teacher requires grad;
-    ``opts``: the call's keywords (``mask=True`` becomes a random per-token mask).
+    ``opts``: the call's keywords (``mask=True`` becomes a random per-token mask);
+    ``grad_to``: the indices of the outputs that get an upstream gradient (None: every float
+    output; ``()``: none, so nothing runs backward); ``dtensor_upstream``: the upstream gradient
+    is applied by DTensor ops on the outputs (as a user's loss would), not on their local values.
     """
 
     loss: str
@@ -47,6 +50,8 @@ class TokenCase:
     teacher_h: int = 12
     teacher_grad: bool = False
     labels: bool = True
+    grad_to: Optional[tuple[int, ...]] = None
+    dtensor_upstream: bool = False
 
 
 @dataclasses.dataclass
@@ -100,10 +105,24 @@ def _outputs(case: TokenCase, out: Any) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
 
 
-def _weighted(outputs: list[torch.Tensor], seed: int) -> torch.Tensor:
-    """``sum(upstream * output)`` over the outputs, with a seeded per-token upstream gradient."""
-    return sum((o * _upstream(o.shape, seed + i).to(o.dtype)).sum() for i, o in enumerate(outputs)
-               if o.is_floating_point())
+def _weighted(outputs: list[torch.Tensor], seed: int, grad_to: Optional[tuple[int, ...]]) -> Optional[torch.Tensor]:
+    """``sum(upstream * output)`` over the float outputs in ``grad_to`` (None: all), with a seeded
+    per-token upstream gradient; None when no output gets one."""
+    terms = [(o * _like(o, _upstream(o.shape, seed + i).to(o.dtype))).sum() for i, o in enumerate(outputs)
+             if o.is_floating_point() and (grad_to is None or i in grad_to)]
+    return sum(terms) if terms else None
+
+
+def _like(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (the same on every process) as a DTensor placed like ``o`` when ``o`` is one."""
+    if not isinstance(o, DTensor):
+        return t
+    return DTensor.from_local(t, o.device_mesh, o.placements, run_check=False)
+
+
+def _backward(loss: Optional[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+    if loss is not None:
+        loss.backward()
 
 
 def call(case: TokenCase, student: tuple, teacher: tuple, labels: Any, opts: dict[str, Any]) -> Any:
@@ -142,7 +161,8 @@ def reference(case: TokenCase, inputs: Inputs) -> tuple[list[torch.Tensor], list
             num_label_tokens=opts.get("num_label_tokens"),
             **{k: opts[k] for k in ("softcap", "teacher_softcap", "logit_scale", "teacher_logit_scale") if k in opts})]
     leaves = student + (teacher if case.teacher_grad else [])
-    grads = torch.autograd.grad(_weighted(outs, case.seed + 1), leaves)
+    loss = _weighted(outs, case.seed + 1, case.grad_to)
+    grads = [None] * len(leaves) if loss is None else torch.autograd.grad(loss, leaves)
     return [o.detach() for o in outs], list(grads)
 
 
@@ -151,7 +171,7 @@ class TokenResult:
     """One process's view of one call, and its own fp64 reference."""
 
     outputs: list[torch.Tensor]  # the local values of the Replicate() outputs
-    grads: list[torch.Tensor]  # full (gathered) gradients: the student's inputs, then the teacher's
+    grads: list[Optional[torch.Tensor]]  # full (gathered) gradients: the student's inputs, then the teacher's
     grad_placements: list[tuple]
     output_placements: list[tuple]
     forward_bytes: int
@@ -187,10 +207,13 @@ def vocab_parallel_case(mesh: Any, case: TokenCase, compile: Optional[str] = Non
     outputs = _outputs(case, out)
     leaves = student + (teacher if case.teacher_grad else [])
     with CommBytes() as bwd:
-        _weighted([o.to_local() for o in outputs], case.seed + 1).backward()
+        weighted = _weighted(outputs if case.dtensor_upstream else [o.to_local() for o in outputs],
+                             case.seed + 1, case.grad_to)
+        _backward(weighted, leaves)
     return TokenResult(
-        [o.to_local().detach().clone() for o in outputs], [t.grad.full_tensor() for t in leaves],
-        [tuple(t.grad.placements) for t in leaves], [tuple(o.placements) for o in outputs],
+        [o.to_local().detach().clone() for o in outputs],
+        [None if t.grad is None else t.grad.full_tensor() for t in leaves],
+        [tuple(t.grad.placements) for t in leaves if t.grad is not None], [tuple(o.placements) for o in outputs],
         fwd.bytes, dict(fwd.by_op), bwd.bytes, dict(bwd.by_op), reference(case, inputs),
     )
 
@@ -214,10 +237,10 @@ def fsdp_case(mesh: Any, case: TokenCase) -> Optional[dict[str, Any]]:
     outputs = _outputs(case, out)
     leaves = student + (teacher if case.teacher_grad else [])
     with CommBytes() as bwd:
-        _weighted(outputs, case.seed + 1).backward()
+        _backward(_weighted(outputs, case.seed + 1, case.grad_to), leaves)
     grads = [t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad for t in leaves]
     return {"outputs": [o.detach() for o in outputs], "plain": not any(isinstance(o, DTensor) for o in outputs),
-            "grads": grads, "grad_placements": [tuple(t.grad.placements) for t in leaves if isinstance(t, DTensor)],
+            "grads": grads, "grad_placements": [tuple(t.grad.placements) for t in leaves if isinstance(t.grad, DTensor)],
             "backward_by_op": dict(bwd.by_op), "reference": reference(case, inputs),
             "world": mesh.size()}
 
