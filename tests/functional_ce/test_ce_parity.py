@@ -152,9 +152,15 @@ def test_result_does_not_depend_on_chunk_size(path, seed, n, v, dtype, chunks, o
     case = make_case(seed, (n,), v, dtype, **opts)
     a, ga = loss_and_grad(functional_ce.cross_entropy, case, chunk_size=chunks[0], compile_chunks=PATHS[path])
     b, gb = loss_and_grad(functional_ce.cross_entropy, case, chunk_size=chunks[1], compile_chunks=PATHS[path])
-    # Rows are independent and reductions run over the full [N] vector: chunking changes nothing.
+    # Rows are independent and reductions run over the full [N] vector: chunking changes nothing
+    # in the eager maths. Compiled, a one-row chunk (a chunk_size of 1, or the last rows) is its own
+    # graph (inductor specialises size 1) whose kernels may round a gradient element differently:
+    # one rounding at most.
     assert torch.equal(a, b)
-    assert torch.equal(ga, gb)
+    if path == "eager":
+        assert torch.equal(ga, gb)
+    else:
+        torch.testing.assert_close(ga, gb, rtol=0, atol=ROUNDING[dtype] * (1 + absmax(ga)))
 
 
 @pytest.mark.parametrize("path", PATHS)
