@@ -2,9 +2,11 @@
 
 Each section is a module of this package with ``run(args, tick) -> Section``, and optionally
 ``add_arguments(parser)``, ``count(args) -> int`` (the progress steps it will take, for the
-estimate of the time left) and ``plot(section, out_dir) -> list[Path]``. ``tick(text)`` advances
-the progress display. Every run leaves a report folder (``--out``, see :mod:`bench.report_folder`);
-``--compare OLD.json`` sets each ratio next to an earlier run's (:mod:`bench.compare`).
+estimate of the time left), ``dtypes(args) -> {part: DtypeChoice}`` (the dtype each part runs in
+and why, :mod:`bench.host_dtype`; printed first and kept in the report) and
+``plot(section, out_dir) -> list[Path]``. ``tick(text)`` advances the progress display. Every
+run leaves a report folder (``--out``, see :mod:`bench.report_folder`); ``--compare OLD.json``
+sets each ratio next to an earlier run's (:mod:`bench.compare`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import compare, report_folder
+from .host_dtype import DTYPE_NAMES, DtypeChoice
 from .report import Section, Table
 
 # name -> module; order is the report's order.
@@ -62,6 +65,11 @@ def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, metavar="DIR",
                    help="measure the N sweeps and write PNG plots into DIR (and into the report folder)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
+                   help="the dtype of every section's losses (a section's own --*-dtype wins; the dist FSDP2 "
+                        "and pipeline steps stay fp32); default: what the host runs fast, bf16 on CUDA and on "
+                        "CPUs with bf16 matrix units (AVX512_BF16, AMX), else fp32 where a step has matmuls; the "
+                        "report says which and why")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for name, mod in mods.items():
         if hasattr(mod, "add_arguments"):
@@ -71,7 +79,16 @@ def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
 
 def _header(facts: dict[str, object]) -> str:
     """The run's facts (see :func:`bench.report_folder.run_facts`) as the first lines printed."""
-    return f"# bench report {facts['date']}\n" + "\n".join(f"{k}: {v}" for k, v in facts.items() if k != "date")
+    return f"# bench report {facts['date']}\n" + "\n".join(f"{k}: {v}" for k, v in report_folder.fact_lines(facts))
+
+
+def section_dtypes(mods: dict[str, object], args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """Each chosen section's parts -> the dtype it runs in and why (sections with ``dtypes``)."""
+    out: dict[str, DtypeChoice] = {}
+    for mod in mods.values():
+        if hasattr(mod, "dtypes"):
+            out.update(mod.dtypes(args))
+    return out
 
 
 class Progress:
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     planned = {n: _planned(m, args) for n, m in chosen.items()}
     total = None if None in planned.values() else sum(planned.values())
     progress = Progress(total, enabled=not args.no_progress)
-    facts = report_folder.run_facts(args.device, argv)
+    facts = report_folder.run_facts(args.device, argv, section_dtypes(chosen, args))
 
     print(_header(facts), flush=True)
     sections, seconds = [], {}

@@ -23,6 +23,9 @@ Shapes: the quick run measures table 1 at N=1024, H=512, V=16384, 3 steps per va
 at the targets of bench/RESULTS.md (time N=4096, H=1024, V=32768; memory N=8192, H=2048,
 V=32768), table 2 at 4 x 512, V=32000, and the N sweep. ``--lce-shape`` (``N,H,V``, several
 separated by ``;``), ``--lce-repeats`` and ``--lce-hf`` override either.
+
+Dtype (both tables): bf16 on CUDA and on CPUs with bf16 matrix units, fp32 on other CPUs, where
+bf16 matmuls can run 100x slower (:mod:`bench.host_dtype`); ``--lce-dtype`` or ``--dtype`` choose.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .measure import Measurement, measure
 from .ce_hidden_hf import HF_VARIANTS, measure_hf_table
+from .host_dtype import DtypeChoice, choose
+from .measure import Measurement, measure
 from .modes import override, per_shape, pick, shape_list, sweeps
 from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
@@ -155,7 +159,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lce-shape", help="N,H,V of hidden [N, H] and weight [V, H], several separated by ';' "
                                            f"(default {QUICK_SHAPES[0]}; --full: {';'.join(FULL_SHAPES)})")
-    group.add_argument("--lce-dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--lce-dtype", choices=sorted(DTYPES),
+                       help="dtype of hidden and weight (default: bf16 on CUDA and on CPUs with bf16 matrix "
+                            "units, else fp32)")
     group.add_argument("--lce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
     group.add_argument("--lce-repeats", type=int, help="timed steps per variant (median; default 3, --full 2)")
     group.add_argument("--lce-variants", default="all",
@@ -177,7 +183,8 @@ FULL_HF = "4,512,32000"
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the quick or full defaults of the flags the user left unset."""
     return override(args, lce_shapes=shape_list(args, args.lce_shape, QUICK_SHAPES, FULL_SHAPES),
-                    lce_repeats=pick(args, args.lce_repeats, 3, 2), lce_hf=pick(args, args.lce_hf, "none", FULL_HF))
+                    lce_repeats=pick(args, args.lce_repeats, 3, 2), lce_hf=pick(args, args.lce_hf, "none", FULL_HF),
+                    lce_dtype=dtypes(args)["lce"].dtype)
 
 
 def count(args: argparse.Namespace) -> int:
@@ -186,6 +193,11 @@ def count(args: argparse.Namespace) -> int:
     sweep = len(a.lce_sweep.split(",")) if sweeps(a) else 0
     return (len(VARIANTS) * (len(a.lce_shapes) + sweep) + (len(HF_VARIANTS) if a.lce_hf.lower() != "none" else 0)
             + bool(a.lce_profile))
+
+
+def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """The section's dtype and why: ``--lce-dtype``, else ``--dtype``, else the host's default."""
+    return {"lce": choose(args, "--lce-dtype", matmuls=True)}
 
 
 def _chunk(arg: str) -> Any:
@@ -235,7 +247,7 @@ def _lce_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[T
                  "against the same under torch.compile, 'x torch lce' against "
                  "F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
         notes=[f"peak extra memory = {mem_how} above the inputs during the step; gradients of hidden and "
-               "weight count"],
+               "weight count", f"dtype {args.lce_dtype}: {args.lce_dtype_reason}"],
         command=cmd,
         spread=spreads(results),
     )
@@ -305,7 +317,8 @@ def _profile_table(args: argparse.Namespace, tick: Callable[[str], None]) -> tup
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
-    args = _resolved(args)
+    choice = dtypes(args)["lce"]
+    args = override(_resolved(args), lce_dtype_reason=choice.reason)
     tables, data = per_shape(args, "lce_shape", args.lce_shapes, _lce_table, tick)
     args = override(args, lce_shape=args.lce_shapes[0])
     if args.lce_profile:
@@ -320,7 +333,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             hf_table, hf_data = measure_hf_table(args, tick)
             tables.append(hf_table)
             data.update(hf_data)
-    data.update(dtype=args.lce_dtype, device=args.device)
+    data.update(dtype=args.lce_dtype, dtype_choice=choice.to_json(), device=args.device)
     if sweeps(args):
         _, h, v = data["shape"]
         sweep = {sn: {k: vars(m) for k, m in measure_variants(sn, h, v, args, tick).items()}

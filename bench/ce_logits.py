@@ -9,6 +9,9 @@ Variants (each measured in its own process, side by side in one run):
 
 Shapes: the quick run measures [1024, 128256]; ``--full`` the time target [2048, 128256], the
 memory target [4096, 128256] and the N sweep; ``--ce-shape`` (one or more ``N,V`` separated by ``;``) overrides.
+
+Dtype: bf16 by default on every host (no matmuls here; :mod:`bench.host_dtype`); ``--ce-dtype``
+or ``--dtype`` choose another.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .host_dtype import DtypeChoice, choose
 from .measure import Measurement, measure
-from .modes import per_shape, shape_list, sweeps
+from .modes import override, per_shape, shape_list, sweeps
 from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
@@ -96,7 +100,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Optional[str]]]] 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ce-shape", help=f"N,V of the logits, several separated by ';' (default {QUICK_SHAPES[0]}; "
                                           f"--full: {';'.join(FULL_SHAPES)})")
-    group.add_argument("--ce-dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--ce-dtype", choices=sorted(DTYPES),
+                       help="logits dtype (default bf16 on every host: no matmuls in this section)")
     group.add_argument("--ce-chunk-size", default="auto", help='rows per chunk, "auto" or "none"')
     group.add_argument("--ce-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--ce-sweep", default="256,512,1024,2048",
@@ -116,6 +121,11 @@ def count(args: argparse.Namespace) -> int:
     """Progress steps: one per variant and shape, and per variant and N of the sweep."""
     sweep = len(args.ce_sweep.split(",")) if sweeps(args) else 0
     return len(VARIANTS) * (len(shapes(args)) + sweep)
+
+
+def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """The section's dtype and why: ``--ce-dtype``, else ``--dtype``, else the host's default."""
+    return {"ce": choose(args, "--ce-dtype", matmuls=False)}
 
 
 def _chunk(arg: str) -> Any:
@@ -143,7 +153,10 @@ def _command(args: argparse.Namespace, shape: str) -> str:
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    choice = dtypes(args)["ce"]
+    args = override(args, ce_dtype=choice.dtype, ce_dtype_reason=choice.reason)
     tables, data = per_shape(args, "ce_shape", shapes(args), _table, tick)
+    data["dtype_choice"] = choice.to_json()
     if sweeps(args):
         n, v = data["shape"]
         sweep = {}
@@ -171,7 +184,8 @@ def _table(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[Table
         columns=["variant", "time (ms)", "x baseline", "peak extra (MiB)", "x baseline", "status"],
         rows=rows,
         baseline=f"{BASELINE}: F.cross_entropy(logits.float(), labels)",
-        notes=[f"peak extra memory = {mem_how} above the inputs during the step; the logits' gradient counts"],
+        notes=[f"peak extra memory = {mem_how} above the inputs during the step; the logits' gradient counts",
+               f"dtype {args.ce_dtype}: {args.ce_dtype_reason}"],
         command=_command(args, args.ce_shape),
         spread=spreads(results),
     )

@@ -12,6 +12,10 @@ forward and in backward, one table per measured thing:
 The quick run measures the two loss forms on 2 processes at N=1024; ``--full`` the memory targets
 of bench/RESULTS.md (logits [4096, 128256], hidden N=2048, H=512, V=32768) on 2 and 4 processes,
 the FSDP2 and pipeline steps, and the N sweep. The section's flags override either.
+
+Dtypes (:mod:`bench.host_dtype`): the logits form runs bf16 on every host (no matmuls); the
+hidden-state form bf16 on CUDA and on CPUs with bf16 matrix units, fp32 on other CPUs;
+``--dist-dtype``, ``--dist-hidden-dtype`` or ``--dtype`` choose. The FSDP2 and pipeline steps run fp32.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .dist_pipeline import PIPELINE_BASELINE, PIPELINE_VARIANTS
 from .dist_setup import DTYPES, Variants
 from .dist_vocab_hidden import HIDDEN_BASELINE, HIDDEN_VARIANTS
 from .dist_vocab_logits import LOGITS_BASELINE, LOGITS_VARIANTS
+from .host_dtype import DtypeChoice, choose
 from .measure import Measurement
 from .modes import override, pick, sweeps
 from .plots import sweep_plots
@@ -36,12 +41,13 @@ from .report import Section, Table, ratio, spreads
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dist-shape", help="N,V of the logits form (default 1024,128256; --full 4096,128256, the "
                                             "memory target)")
-    group.add_argument("--dist-dtype", default="bf16", choices=sorted(DTYPES), help="logits dtype")
+    group.add_argument("--dist-dtype", choices=sorted(DTYPES),
+                       help="logits dtype (default bf16 on every host: the logits form has no matmuls)")
     group.add_argument("--dist-hidden-shape", help="N,H,V of the hidden-state form (default 1024,512,32768; --full "
                                                    "2048,512,32768)")
-    group.add_argument("--dist-hidden-dtype", default="fp32", choices=sorted(DTYPES),
-                       help="hidden-state form dtype (fp32 by default: bf16 matmuls are slow on CPUs "
-                            "without bf16 units)")
+    group.add_argument("--dist-hidden-dtype", choices=sorted(DTYPES),
+                       help="hidden-state form dtype (default: bf16 on CUDA and on CPUs with bf16 matrix units, "
+                            "else fp32: bf16 matmuls can run 100x slower on CPUs without them)")
     group.add_argument("--dist-fsdp-shape", default="2048,256,32000",
                        help="tokens per rank, hidden size, vocabulary of the FSDP2 Llama (default 2048,256,32000)")
     group.add_argument("--dist-pipeline-shape", default="2048,256,32000",
@@ -54,9 +60,17 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="token counts N for the --plot sweep (2 processes; V from --dist-shape)")
 
 
+def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """Each loss form's dtype and why: its own flag, else ``--dtype``, else the host's default."""
+    return {"dist logits": choose(args, "--dist-dtype", matmuls=False),
+            "dist hidden": choose(args, "--dist-hidden-dtype", matmuls=True)}
+
+
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the quick or full defaults of the flags the user left unset."""
+    chosen = dtypes(args)
     return override(args, dist_shape=pick(args, args.dist_shape, "1024,128256", "4096,128256"),
+                    dist_dtype=chosen["dist logits"].dtype, dist_hidden_dtype=chosen["dist hidden"].dtype,
                     dist_hidden_shape=pick(args, args.dist_hidden_shape, "1024,512,32768", "2048,512,32768"),
                     dist_worlds=pick(args, args.dist_worlds, "2", "2,4"),
                     dist_models=pick(args, args.dist_models, "off", "on"))
@@ -118,6 +132,7 @@ COLUMNS = ["ranks", "variant", "time (ms)", "peak extra/rank (MiB)", "x baseline
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    chosen = dtypes(args)
     args = _resolved(args)
     n, v = (int(x) for x in args.dist_shape.split(","))
     hn, hh, hv = (int(x) for x in args.dist_hidden_shape.split(","))
@@ -136,17 +151,20 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                     f"sharded over the vocabulary, {args.device}",
               columns=COLUMNS, rows=_rows(logits, LOGITS_BASELINE, n),
               baseline=f"{LOGITS_BASELINE}: torch's loss_parallel() on logits.float(), the same ranks",
-              notes=notes, command=_command(args), keys=2, spread=_spreads(logits)),
+              notes=notes + [f"dtype {chosen['dist logits']}"], command=_command(args), keys=2,
+              spread=_spreads(logits)),
         Table(title=f"vocabulary-parallel hidden-state loss, forward+backward, N={hn}, H={hh}, V={hv} "
                     f"{args.dist_hidden_dtype}, column-parallel lm_head, {args.device}",
               columns=COLUMNS, rows=_rows(hidden, HIDDEN_BASELINE, hn),
               baseline=f"{HIDDEN_BASELINE}: F.cross_entropy(lm_head(hidden).float()) under loss_parallel()",
-              notes=notes, command=_command(args), keys=2, spread=_spreads(hidden)),
+              notes=notes + [f"dtype {chosen['dist hidden']}"], command=_command(args), keys=2,
+              spread=_spreads(hidden)),
     ]
     data: dict[str, Any] = {
-        "logits": {"shape": [n, v], "dtype": args.dist_dtype,
+        "logits": {"shape": [n, v], "dtype": args.dist_dtype, "dtype_choice": chosen["dist logits"].to_json(),
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in logits.items()}},
         "hidden": {"shape": [hn, hh, hv], "dtype": args.dist_hidden_dtype,
+                   "dtype_choice": chosen["dist hidden"].to_json(),
                    "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in hidden.items()}},
         "device": args.device,
     }

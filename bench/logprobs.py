@@ -7,7 +7,8 @@ ratios against the eager baseline and against it compiled. A variant whose optio
 ``functional_ce`` entry point is missing is left out with a note.
 
 Table "token log-probs with entropy from hidden states" (the GRPO / PPO policy term): hidden
-``[N, H]`` and weight ``[V, H]`` (both require grad) in ``--logprobs-dtype`` (bf16 default),
+``[N, H]`` and weight ``[V, H]`` (both require grad) in ``--logprobs-dtype`` (default: bf16 on
+CUDA and on CPUs with bf16 matrix units, fp32 on other CPUs; :mod:`bench.host_dtype`),
 labels ``[N]`` int64. The upstream gradient is per token:
 ``loss = -(adv * logp).sum() - 0.01 * entropy.sum()`` with a fixed random fp32 ``adv`` ``[N]``.
   - ``eager full path (TRL formulas)``, the baseline: ``z = F.linear(h, w).float() / T``;
@@ -54,9 +55,10 @@ from typing import Any, Callable, Optional
 
 from packaging.version import Version
 
+from .host_dtype import DtypeChoice, choose
 from .logprobs_steps import DTYPES
 from .measure import Measurement, measure
-from .modes import is_full, sweeps
+from .modes import is_full, override, sweeps
 from .plots import sweep_plots
 from .report import Section, Table, ratio, spreads
 
@@ -191,7 +193,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                                             "full: 4096, and 1024,2048 for distillation from hidden states)")
     group.add_argument("--logprobs-h", type=int, help="hidden size H (default 512; full: 1024)")
     group.add_argument("--logprobs-v", type=int, help="vocabulary size V (default 16384; full: 32768)")
-    group.add_argument("--logprobs-dtype", default="bf16", choices=sorted(DTYPES))
+    group.add_argument("--logprobs-dtype", choices=sorted(DTYPES),
+                       help="dtype of hidden states, weights and logits (default: bf16 on CUDA and on CPUs with "
+                            "bf16 matrix units, else fp32)")
     group.add_argument("--logprobs-full", action="store_true",
                        help="the target shapes (H=1024, V=32768; see the section's docs; implied by --full); "
                             "minutes on a CPU")
@@ -203,6 +207,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"comma-separated subset of {','.join(PROBLEMS)} (default all)")
     group.add_argument("--logprobs-variants", default="all",
                        help="comma-separated subset of variant names (the baseline always runs; default all)")
+
+
+def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """The section's dtype and why: ``--logprobs-dtype``, else ``--dtype``, else the host's default
+    (for matmuls: two of the three tables project hidden states)."""
+    return {"logprobs": choose(args, "--logprobs-dtype", matmuls=True)}
 
 
 def measure_variants(key: str, n: int, shapes: Shapes, args: argparse.Namespace,
@@ -251,16 +261,19 @@ def _table(key: str, n: int, shapes: Shapes, results: dict[str, Measurement], om
         rows=rows,
         baseline=f"{BASELINE}: {problem.formula}; 'x compiled' is against the same under torch.compile",
         notes=[f"{name}: not measured, {reason}" for name, reason in omitted.items()]
-        + [f"peak extra memory = {mem_how} above the inputs during the step; the gradients count"],
+        + [f"peak extra memory = {mem_how} above the inputs during the step; the gradients count",
+           f"dtype {args.logprobs_dtype}: {args.logprobs_dtype_reason}"],
         command="python -m bench --only logprobs " + " ".join(shlex.quote(a) for a in flags),
         spread=spreads(results),
     )
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
+    choice = dtypes(args)["logprobs"]
+    args = override(args, logprobs_dtype=choice.dtype, logprobs_dtype_reason=choice.reason)
     plan = resolve_shapes(args)
     tables = []
-    data: dict[str, Any] = {"dtype": args.logprobs_dtype, "device": args.device,
+    data: dict[str, Any] = {"dtype": args.logprobs_dtype, "dtype_choice": choice.to_json(), "device": args.device,
                             "temperature": args.logprobs_temperature, "problems": {}}
     for key, shapes in plan.items():
         measured: dict[int, dict[str, Measurement]] = {}

@@ -1,9 +1,9 @@
 """The report folder of one ``python -m bench`` run: ``report.md``, ``report.json`` and ``plots/``.
 
-``report.md`` holds the run's facts (date, machine, library versions, commit, command), every
-section's tables with their baselines, notes and reproduce commands, and the PNG plots embedded;
-``report.json`` holds the same figures (what ``python -m bench --compare`` reads) and the raw data
-each section measured.
+``report.md`` holds the run's facts (date, machine, library versions, commit, command, the CPU's
+capability and the dtype each section runs in and why), every section's tables with their
+baselines, notes and reproduce commands, and the PNG plots embedded; ``report.json`` holds the same
+figures (what ``python -m bench --compare`` reads) and the raw data each section measured.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import shlex
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+from . import host_dtype
+from .host_dtype import DtypeChoice
 from .report import Section
 
 
@@ -59,8 +61,10 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_facts(device: str, argv: Sequence[str]) -> dict[str, Any]:
-    """What a reader needs to trust or reproduce the figures."""
+def run_facts(device: str, argv: Sequence[str],
+              dtypes: Optional[Mapping[str, DtypeChoice]] = None) -> dict[str, Any]:
+    """What a reader needs to trust or reproduce the figures; ``dtypes`` maps each section's part
+    to the dtype it runs in and why (see :mod:`bench.host_dtype`)."""
     import torch
 
     facts: dict[str, Any] = {
@@ -76,7 +80,25 @@ def run_facts(device: str, argv: Sequence[str]) -> dict[str, Any]:
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
+    if device.startswith("cpu"):
+        facts["cpu capability"] = host_dtype.host_capability()
+    if dtypes:
+        facts["dtypes"] = {name: choice.to_json() for name, choice in dtypes.items()}
     return facts
+
+
+def fact_lines(facts: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(key, text)`` of each fact but the date, the dtypes one line per section part
+    (``dtype lce``: ``fp32 - why``)."""
+    lines = []
+    for key, value in facts.items():
+        if key == "date":
+            continue
+        if key == "dtypes":
+            lines += [(f"dtype {name}", f"{c['dtype']} - {c['reason']}") for name, c in value.items()]
+        else:
+            lines.append((key, str(value)))
+    return lines
 
 
 def to_json(facts: dict[str, Any], sections: Sequence[tuple[str, Section]], plots: dict[str, list[str]]) -> dict:
@@ -86,8 +108,10 @@ def to_json(facts: dict[str, Any], sections: Sequence[tuple[str, Section]], plot
 def to_markdown(facts: dict[str, Any], sections: Sequence[tuple[str, Section]], plots: dict[str, list[str]],
                 comparison: Optional[str] = None) -> str:
     out = ["# Benchmark report", ""]
+    if "date" in facts:
+        out.append(f"- **date**: {facts['date']}")
     out += [f"- **{key}**: `{value}`" if key in ("command", "commit") else f"- **{key}**: {value}"
-            for key, value in facts.items()]
+            for key, value in fact_lines(facts)]
     out += ["", "Every table measures its variants side by side in this run; ratios are against the "
             "baseline it names. Reproduce a table with its command.", ""]
     if comparison:

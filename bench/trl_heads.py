@@ -8,7 +8,7 @@ require grad), labels ``[N]``, called as TRL's trainers call ``_ChunkedLogProbFu
 ``("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``; loss
 ``-(adv * logp).sum() - 0.01 * entropy.sum()``. Divergence: ``_chunked_divergence_loss`` as
 DistillationTrainer calls it (beta 0.5, teacher without grad, every position counted). Skipped
-when TRL (>= 1.16) is absent.
+when TRL (>= 1.16) is absent. fp32 on every host unless ``--trl-dtype`` or ``--dtype`` say otherwise.
 
     python -m bench --only trl [--full | --trl-shape N H V]   (a section of the report)
     python -m bench.trl_heads [--n 4096 --h 1024 --v 32768 --dtype fp32]   (a table on stdout)
@@ -22,12 +22,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .host_dtype import DtypeChoice, choose
 from .measure import measure
+from .modes import override
 from .report import Section, Table
 
 GRPO = ("log_probs", "entropy")
 DPO = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _routed(on: bool) -> None:
@@ -82,6 +84,8 @@ CALLS = (("head, outputs=GRPO (log_probs, entropy)", "setup_head", {"outputs": l
          ("chunked divergence, beta=0.5", "setup_divergence", {}))
 VARIANTS = ("TRL's own kernel", "functional_ce (enable_trl_heads)")
 QUICK, FULL = dict(n=512, h=256, v=4096), dict(n=4096, h=1024, v=32768)
+#: The section's dtype where no flag names one: fp32, fast on every host.
+DEFAULT_DTYPE = DtypeChoice("fp32", "this section's default on every host: fp32 matmuls are fast on any CPU")
 
 
 def _missing() -> Optional[str]:
@@ -103,7 +107,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--trl-shape", type=int, nargs=3, metavar=("N", "H", "V"),
                        help=f"tokens, hidden size, vocabulary (default {tuple(QUICK.values())}; --full: "
                             f"{tuple(FULL.values())})")
-    group.add_argument("--trl-dtype", default="fp32", choices=sorted(DTYPES))
+    group.add_argument("--trl-dtype", choices=sorted(DTYPES), help="dtype of hidden states and weights "
+                                                                  "(default fp32)")
+
+
+def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
+    """The section's dtype and why: ``--trl-dtype``, else ``--dtype``, else fp32."""
+    return {"trl": choose(args, "--trl-dtype", fixed=DEFAULT_DTYPE)}
 
 
 def _shape(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,7 +126,8 @@ def count(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
-    shape = _shape(args)
+    choice = dtypes(args)["trl"]
+    shape = _shape(override(args, trl_dtype=choice.dtype))
     flags = ["--trl-shape", *(str(shape[k]) for k in "nhv"), "--trl-dtype", shape["dtype"]]
     command = "python -m bench --only trl " + " ".join(flags)
     title = f"TRL's fused head and chunked divergence, forward+backward, N={shape['n']} H={shape['h']} " \
@@ -125,7 +136,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     if missing or args.device != "cpu":
         why = missing or "measured on CPU only so far (TRL's kernels choose their own path on CUDA)"
         return Section(name="trl", tables=[Table(title=title, columns=["call", "variant", "status"], rows=[],
-                                                 command=command, notes=[f"not measured: {why}"], keys=2)])
+                                                 command=command, notes=[f"not measured: {why}"], keys=2)],
+                       data={"dtype_choice": choice.to_json()})
     rows, spread = [], {}
     base: dict[str, Any] = {}
     for what, name, m in measure_calls(shape, repeats=3, tick=tick):
@@ -144,8 +156,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
         rows=rows, baseline=f"{VARIANTS[0]} (trl.trainer.utils._ChunkedLogProbFunction / _chunked_divergence_loss, "
                             "called as TRL's trainers call them)",
         notes=["routed: the same call under model_patches.enable_trl_heads(); each variant in its own process",
-               "peak extra memory = the growth of the peak resident set during the timed steps"],
-        command=command, keys=2, spread=spread)])
+               "peak extra memory = the growth of the peak resident set during the timed steps",
+               f"dtype {choice}"],
+        command=command, keys=2, spread=spread)], data={"dtype": choice.dtype, "dtype_choice": choice.to_json()})
 
 
 def main() -> None:
