@@ -21,7 +21,7 @@ the routed loss returns 0 with zero gradients.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ import functional_ce
 from ..calls import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
+from .model_scope import ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
@@ -123,21 +124,30 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
     ``ForCausalLMLoss`` entries, is not affected.
 
     Used or refused: TRL's trainers compute their loss in TRL's own fused LM head and chunked
-    divergence, never through ``LOSS_MAPPING``; while this handle is active those kernels refuse
-    with the fix (:func:`model_patches.enable_trl_heads`), unless that call routes them through
-    ``functional_ce``. With ``model=``, a trainer head already installed on it is refused now, and
-    a training call of it with labels that finishes without reaching the routed loss (a
-    replaced forward that computes its own) is reported once (``UserWarning`` and a log record).
-    With TRL installed, enabling imports ``trl.trainer.utils`` (about 2 s the first time).
+    divergence, never through ``LOSS_MAPPING``, so while the handle is active those kernels refuse
+    with the fix (:func:`model_patches.enable_trl_heads`, which routes them through
+    ``functional_ce`` instead). Without ``model=`` the routing is process-wide, and so is the
+    refusal: every TRL run in the process is refused until the handle is removed. With ``model=``
+    the refusal concerns that model only: a trainer head already installed on it is refused now,
+    one installed later at its first step, and a training call of it with labels that finishes
+    without reaching the routed loss gets one ``UserWarning`` and a log record; other models train
+    with TRL's own kernels. That handle holds the model weakly and removes itself when the model is
+    garbage-collected. With TRL installed, enabling imports ``trl.trainer.utils`` (about 2 s the
+    first time).
 
     Args:
-        model: optional ``*ForCausalLM`` to check and watch (the patch itself is process-wide).
+        model: optional ``*ForCausalLM`` to check, watch and scope the refusal of TRL's kernels
+            to (``LOSS_MAPPING``, which the routing replaces, stays process-wide while the handle
+            is active).
         strict: a record that cannot be applied raises (default) instead of being logged.
 
     Raises:
         PatchError: with ``strict``, a record admitted by its version gate cannot be applied.
         ValueError: ``model`` carries a trainer's own fused LM head.
+        TypeError: ``model`` is not a ``torch.nn.Module``.
     """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable_chunked_loss: model must be a torch.nn.Module or None, got {type(model).__name__}")
     head = trainer_fused_head(model) if model is not None else None
     if head is not None:
         raise ValueError(
@@ -145,13 +155,22 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
             f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {TRAINER_HEAD_FIX}"
         )
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
+    if model is None:
+        handle.companions.append(refuse_unrouted_trl_heads(
+            "enable_chunked_loss routes Transformers' LOSS_MAPPING for every model in this process, which TRL's "
+            "fused LM head and chunked divergence never call: this step would run TRL's own kernel and leave the "
+            f"chunked loss silently unused. {TRAINER_HEAD_FIX}; enable_chunked_loss(model=...) refuses only the "
+            "runs of that model"
+        ))
+        return handle
     handle.companions.append(refuse_unrouted_trl_heads(
-        "enable_chunked_loss routes Transformers' LOSS_MAPPING, which TRL's fused LM head and chunked divergence "
-        "never call: this step would run TRL's own kernel and leave the chunked loss silently unused. "
-        + TRAINER_HEAD_FIX
+        f"enable_chunked_loss is active on {type(model).__name__}, but TRL's fused kernel is computing its loss "
+        f"from hidden states, never through Transformers' LOSS_MAPPING, so the chunked loss is silently unused. "
+        f"{TRAINER_HEAD_FIX}",
+        model=model,
     ))
-    if model is not None:
-        handle.companions.append(LossUseWatch(model, "enable_chunked_loss", TRAINER_HEAD_FIX))
+    handle.companions.append(LossUseWatch(model, "enable_chunked_loss", TRAINER_HEAD_FIX))
+    handle.companions.append(ReleaseWithModel(model, handle))
     return handle
 
 

@@ -29,7 +29,8 @@ import inspect
 import logging
 import threading
 import typing
-from typing import Any, Optional
+import weakref
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -40,7 +41,10 @@ from functional_ce.spec import ChunkSize
 
 from ..calls import unwrap_from_under
 from ..registry import Handle
-from .loss_use import FUSED_HEAD_KEYWORD, TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
+from .forward_keywords import LOSS_ONLY_KEYS as _LOSS_ONLY_KEYS
+from .forward_keywords import as_keywords, model_keywords, refuse_unknown_keywords
+from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
+from .model_scope import ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
 
 __all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
@@ -54,11 +58,6 @@ VERIFIED_MODEL_TYPES = frozenset(
 )
 #: Config attributes of logit transforms this function does not reproduce.
 _LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
-_LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
-#: Keywords every causal-LM forward of Transformers takes or passes on, named or not.
-_STOCK_KEYWORDS = ("return_dict", "past_key_values", "cache", "output_attentions", "output_hidden_states")
-#: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``).
-_LIBRARY_BATCH_KEYS = ("num_tokens",)
 _warned_types: set[str] = set()
 
 
@@ -251,42 +250,12 @@ def _loss_from_decoder(
     return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
 
 
-def _model_keywords(model: nn.Module) -> Optional[frozenset[str]]:
-    """The keywords ``model``'s own class forward names, plus the keys of its typed ``**kwargs``
-    (``Unpack[TransformersKwargs]``) and the ones every causal-LM forward takes; None when its
-    ``**kwargs`` is untyped (any keyword goes to the decoder, as the model's own forward does)."""
-    try:
-        params = inspect.signature(_module_class(model).forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    names = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
-    var_keyword = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
-    if var_keyword is not None:
-        typed = typing.get_args(var_keyword.annotation)
-        keys = getattr(typed[0], "__annotations__", None) if typed else None
-        if not isinstance(keys, dict):
-            return None
-        names |= set(keys)
-    return frozenset(names | set(_LOSS_ONLY_KEYS) | set(_STOCK_KEYWORDS) | set(_LIBRARY_BATCH_KEYS))
+class _Installed(typing.NamedTuple):
+    """What the patched forward replaced (kept on it, so the handle holds no reference to the model)."""
 
-
-def _refuse_unknown_keywords(model: nn.Module, known: Optional[frozenset[str]], kwargs: dict[str, Any]) -> None:
-    """The loss path runs the decoder, not the forward that was patched: a keyword that forward
-    does not name belongs to code this path skips (a wrapper below the patch, a trainer's fused
-    head), and is refused by name rather than dropped."""
-    unknown = sorted(k for k in kwargs if k not in known) if known is not None else []
-    if not unknown:
-        return
-    owner = (
-        f" ({FUSED_HEAD_KEYWORD!r} asks a trainer's fused LM head for its output; that head would compute the "
-        "loss itself: use model_patches.enable_trl_heads() instead of this patch)"
-        if FUSED_HEAD_KEYWORD in unknown else ""
-    )
-    raise ValueError(
-        f"enable_hidden_state_loss: {type(model).__name__}(...) got keyword(s) {unknown} that its forward does not "
-        f"take{owner}. The hidden-state loss runs the decoder directly, so it would skip whatever code they are "
-        "for. Remove them from the batch, or remove the patch (handle.remove()) if another wrapper needs them."
-    )
+    had_own: bool  # the instance had its own ``forward`` in ``__dict__``
+    own: Any  # that forward, else None
+    below: Any  # what the patched forward calls: the model's forward before the patch
 
 
 class HiddenStateLossHandle(Handle):
@@ -297,35 +266,46 @@ class HiddenStateLossHandle(Handle):
     patch out from under that code when it holds the patched forward in a closure (the usual
     way of wrapping: it then calls the forward the patch wrapped); otherwise it raises
     ``ValueError`` and changes nothing, since putting the original back would delete that code.
+
+    The handle holds the model weakly: it never keeps the model alive, and when the model is
+    garbage-collected it removes itself (the refusal of TRL's kernels for that model goes with it).
     """
 
-    def __init__(self, model: nn.Module, had_own_forward: bool, own_forward: Any, replacement: Any,
-                 below: Any, companions: tuple[Handle, ...] = ()) -> None:
-        self._model, self._had_own, self._own, self._replacement = model, had_own_forward, own_forward, replacement
-        self._below = below  # what the replacement calls: the model's forward before the patch
-        self._companions = companions  # the call watch and the TRL-head refusal, removed with the patch
+    def __init__(self, model: nn.Module, replacement: Any, companions: Sequence[Handle] = ()) -> None:
+        self._model, self._replacement = weakref.ref(model), weakref.ref(replacement)
+        self._name = type(model).__name__
+        # the call watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
+        self._companions = [*companions, ReleaseWithModel(model, self)]
 
     def _undo(self) -> None:
-        top = self._model.__dict__.get("forward")
-        unwrapped = top is not self._replacement and unwrap_from_under(top, self._replacement, self._below)
-        if top is not self._replacement and not unwrapped:
+        model, replacement = self._model(), self._replacement()
+        if model is None or replacement is None:  # the model is gone, or nothing holds the patch any more
+            self._remove_companions()
+            return
+        top = model.__dict__.get("forward")
+        installed: _Installed = replacement._hidden_state_loss
+        unwrapped = top is not replacement and unwrap_from_under(top, replacement, installed.below)
+        if top is not replacement and not unwrapped:
             raise ValueError(
-                f"cannot remove {self!r}: {type(self._model).__name__}.forward was replaced by other code "
+                f"cannot remove {self!r}: {self._name}.forward was replaced by other code "
                 "after enable_hidden_state_loss patched it, and that code holds the patched forward in a way "
                 "that cannot be unwrapped; restoring the original would delete that code. "
                 "Remove the later patch first, then call handle.remove()"
             )
-        for companion in reversed(self._companions):
-            companion.remove()
+        self._remove_companions()
         if unwrapped:  # the later code stays installed and now calls what this patch wrapped
             logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
-        elif self._had_own:
-            self._model.forward = self._own
+        elif installed.had_own:
+            model.forward = installed.own
         else:
-            self._model.__dict__.pop("forward", None)
+            model.__dict__.pop("forward", None)
+
+    def _remove_companions(self) -> None:
+        for companion in reversed(self._companions):
+            companion.remove()
 
     def _describe(self) -> str:
-        return f"{type(self._model).__name__}.forward"
+        return f"{self._name}.forward" + ("" if self._model() is not None else " (model collected)")
 
 
 def enable_hidden_state_loss(
@@ -345,11 +325,16 @@ def enable_hidden_state_loss(
     trainer installs) computes the loss without calling this patch. Installed already, it is
     refused here; installed later, the first call that asks it for its output
     (``fused_lm_head=True``) is refused, unless :func:`model_patches.enable_trl_heads` routes
-    that head through ``functional_ce``; so are TRL's fused kernels while TRL's heads are not
-    routed (the distillation trainer calls them without calling the model). Any other training
-    call with labels that finishes without reaching this loss is reported once per model
-    (``UserWarning`` and a log record). With TRL installed, enabling imports ``trl.trainer.utils``
-    (about 2 s the first time).
+    that head through ``functional_ce``; so are TRL's fused kernels computing for this model
+    while TRL's heads are not routed (the distillation trainer calls them without the model's
+    loss). The refusal concerns this model only: other models train with TRL's own kernels. Any
+    other training call with labels that finishes without reaching this loss is reported once per
+    model (``UserWarning`` and a log record). With TRL installed, enabling imports
+    ``trl.trainer.utils`` (about 2 s the first time).
+
+    Lifetime: the handle holds the model weakly, and a model that is garbage-collected takes the
+    patch's process-wide state (the refusal of TRL's kernels) with it, even if ``remove()`` was
+    never called.
 
     Args:
         model: a ``*ForCausalLM`` that :func:`causal_lm_loss` supports (checked now).
@@ -378,15 +363,15 @@ def enable_hidden_state_loss(
     own = model.__dict__.get("forward")
     original = model.forward
     signature = inspect.signature(original)
-    known = _model_keywords(model)
+    known = model_keywords(_module_class(model))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:
-            kwargs = _as_keywords(signature, args, kwargs)
+            kwargs = as_keywords(signature, args, kwargs)
         has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
         if not (has_labels and model.training and torch.is_grad_enabled()):
             return original(**kwargs)
-        _refuse_unknown_keywords(model, known, kwargs)
+        refuse_unknown_keywords(model, known, kwargs)
         return_dict = kwargs.pop("return_dict", None)
         _IN_MODEL_CALL.active = True
         try:
@@ -402,25 +387,14 @@ def enable_hidden_state_loss(
     # The model's own signature: Trainer reads it to keep the batch's columns and to decide
     # whether to pass num_items_in_batch.
     forward.__signature__ = signature  # type: ignore[attr-defined]
-    forward._hidden_state_loss = True  # type: ignore[attr-defined]
+    forward._hidden_state_loss = _Installed(had_own, own, original)  # type: ignore[attr-defined]
     companions = (
         refuse_unrouted_trl_heads(
             f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
-            f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}"
+            f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
+            model=model,
         ),
         LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
     )
     model.forward = forward
-    return HiddenStateLossHandle(model, had_own, own, forward, original, companions)
-
-
-def _as_keywords(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Positional inputs named as the model's forward names them."""
-    bound = signature.bind_partial(*args, **kwargs)
-    out: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
-            out.update(value)
-        else:
-            out[name] = value
-    return out
+    return HiddenStateLossHandle(model, forward, companions)

@@ -74,12 +74,12 @@ def trainer_fused_head(model: nn.Module) -> Optional[str]:
 class LossUseWatch(Handle):
     """Forward hooks on one model that refuse a trainer's fused-head call and report a labelled
     training call that did not reach the library's loss (once per model). ``remove()`` takes the
-    hooks off."""
+    hooks off. Holds no reference to the model (the model holds the hooks)."""
 
     def __init__(self, model: nn.Module, who: str, fix: str) -> None:
         from .trl_heads import trl_heads_routed  # it imports this module (loss_reached)
 
-        self._model, self._who, self._fix = model, who, fix
+        self._name, self._who, self._fix = type(model).__name__, who, fix
         self._routed = trl_heads_routed
         self._warned = False
         self._depth = 0
@@ -125,4 +125,4 @@ class LossUseWatch(Handle):
             hook.remove()
 
     def _describe(self) -> str:
-        return f"{self._who} watch on {type(self._model).__name__}"
+        return f"{self._who} watch on {self._name}"

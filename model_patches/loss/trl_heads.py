@@ -17,8 +17,9 @@ Each replacement decides at call time, from this module's state:
 - an :func:`enable_trl_heads` handle is active: compute with
   :func:`functional_ce.linear_token_logprobs` (with its ``stats``) /
   :func:`functional_ce.linear_distillation_loss`, same arguments, same returns;
-- else a :func:`refuse_unrouted_trl_heads` handle is active: raise ``ValueError`` with the first
-  registered message (a loss patch of this library that TRL's head would bypass is refused, not
+- else a :func:`refuse_unrouted_trl_heads` handle concerns the call (one without a model: every
+  call; with ``model=``: that model's calls, see :class:`~model_patches.loss.model_scope.ModelScope`):
+  raise ``ValueError`` with its message (a loss patch TRL's head would bypass is refused, not
   silently unused);
 - else call TRL's own object.
 
@@ -46,12 +47,14 @@ import logging
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 import functional_ce
 
 from ..calls import parameters_probe
 from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
 from .loss_use import loss_reached
+from .model_scope import ModelScope, Refusal, ReleaseWithModel
 
 __all__ = ["enable_trl_heads", "refuse_unrouted_trl_heads", "trl_heads_routed", "trl_heads_status"]
 
@@ -73,10 +76,10 @@ _DIVERGENCE_PARAMETERS = (
     "teacher_final_logit_softcapping", "temperature",
 )
 
-# The live handles of each mode (a handle's id -> its message for refusals). Read without a lock
-# at call time (one dict/len read); changed under the registry's handles only.
+# The live handles of each mode (a handle's id -> None, or its refusal). Read without a lock at
+# call time (one dict/len read); changed under the registry's handles only.
 _ROUTED: dict[int, None] = {}
-_REFUSALS: dict[int, str] = {}
+_REFUSALS: dict[int, Refusal] = {}
 
 
 # --- the computations ------------------------------------------------------------------------
@@ -172,11 +175,19 @@ def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states
 # --- the replacements: one per target, dispatching on the mode at call time -------------------
 
 
-def _refusal() -> Optional[str]:
-    """The first registered refusal message while nothing routes, else None."""
+def _refusal(weight: Any = None) -> Optional[str]:
+    """While nothing routes, the message of the oldest refusal that concerns a kernel call
+    computing with the LM head weight ``weight``, else None."""
     if _ROUTED or not _REFUSALS:
         return None
-    return next(iter(_REFUSALS.values()))
+    for refusal in list(_REFUSALS.values()):  # a copy: a collected model may drop its entry meanwhile
+        if refusal.concerns(weight):
+            return refusal.message
+    return None
+
+
+def _argument(args: tuple, kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)  # positional or keyword
 
 
 class RoutedChunkedLogProb:
@@ -189,7 +200,7 @@ class RoutedChunkedLogProb:
     def apply(self, *args: Any, **kwargs: Any) -> tuple:
         if _ROUTED:
             return routed_logprobs(*args, **kwargs)
-        message = _refusal()
+        message = _refusal(_argument(args, kwargs, 1, "weight"))
         if message is not None:
             raise ValueError(message)
         return self.__wrapped__.apply(*args, **kwargs)
@@ -210,7 +221,7 @@ def _build_divergence(original: Any) -> Any:
     def chunked_divergence_loss(*args: Any, **kwargs: Any) -> tuple:
         if _ROUTED:
             return routed_divergence(*args, **kwargs)
-        message = _refusal()
+        message = _refusal(_argument(args, kwargs, 2, "student_lm_head_weight"))
         if message is not None:
             raise ValueError(message)
         return original(*args, **kwargs)
@@ -328,19 +339,42 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
     return _enable(_ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
 
 
-def refuse_unrouted_trl_heads(message: str) -> Handle:
+def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None) -> Handle:
     """While the returned handle is active and no :func:`enable_trl_heads` handle is, TRL's fused
-    head kernel and chunked divergence raise ``ValueError(message)`` instead of computing.
+    head kernel and chunked divergence raise ``ValueError(message)`` instead of computing, for
+    ``model`` only, or for every model when ``model`` is None.
 
     For a patch of this library that changes the loss (the chunked loss, the hidden-state loss)
     and that TRL's fused head would bypass: it calls this while it is active, so that a TRL
     trainer using its own fused head fails with ``message`` rather than silently training
-    without the patch. With several active, the oldest message is raised. A TRL release whose
-    objects do not fit is logged as a warning and nothing is refused. Without TRL: a no-op handle.
+    without the patch. With several concerning one call, the oldest message is raised. A TRL
+    release whose objects do not fit is logged as a warning and nothing is refused. Without TRL: a
+    no-op handle.
+
+    Args:
+        message: what the refused call raises (the patch, the model, the fix).
+        model: the model the patch is on. A kernel call is refused only when it computes for this
+            model: the model's call is under way (TRL's fused head runs inside it, and so does
+            ``DistillationTrainer``'s divergence for its student), or the kernel is handed this
+            model's LM head weight. Any other model trains with TRL's own kernel. The handle holds
+            the model weakly and removes itself when the model is garbage-collected.
     """
     if not isinstance(message, str) or not message:
         raise TypeError(f"message must be a non-empty str, got {message!r}")
-    return _enable(_REFUSALS, message, "trl heads refusal", strict=False)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if model is None or _trl_version() is None:
+        return _enable(_REFUSALS, Refusal(message), "trl heads refusal", strict=False)
+    scope = ModelScope(model)
+    try:
+        handle = _enable(_REFUSALS, Refusal(message, scope), f"trl heads refusal for {scope.name}", strict=False)
+    except BaseException:
+        scope.remove()
+        raise
+    # removed last first: the release is cancelled, the entry dropped, then the hooks taken off
+    handle.companions[:0] = [scope]
+    handle.companions.append(ReleaseWithModel(model, handle))
+    return handle
 
 
 def trl_heads_routed() -> bool:
@@ -354,6 +388,13 @@ def trl_heads_status() -> StatusTable:
     version = _trl_version()
     if version is None:
         return StatusTable(StatusRow(r.name, r.target, r.versions, "skipped", _NOT_INSTALLED) for r in RECORDS)
-    mode = "routed to functional_ce" if _ROUTED else f"refusing: {_refusal()}" if _REFUSALS else "TRL's own"
-    return StatusTable(dataclasses.replace(row, reason=f"{row.reason}; {mode}") if row.state == "applied" else row
+    return StatusTable(dataclasses.replace(row, reason=f"{row.reason}; {_mode()}") if row.state == "applied" else row
                        for row in record_status(RECORDS, version=version))
+
+
+def _mode() -> str:
+    """Which mode is in force, for :func:`trl_heads_status`."""
+    live = [r for r in list(_REFUSALS.values()) if r.live]
+    if _ROUTED or not live:
+        return "routed to functional_ce" if _ROUTED else "TRL's own"
+    return f"refusing for {live[0].who}{f' (and {len(live) - 1} more)' if len(live) > 1 else ''}: {live[0].message}"
