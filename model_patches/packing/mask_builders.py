@@ -8,11 +8,20 @@ pass through to Transformers unchanged:
 - ``create_causal_mask`` / ``create_sliding_window_causal_mask`` (in ``masking_utils`` and in
   every covered model module, which import them by name): for eager, sdpa and flex_attention
   the indexed mask is turned into document ids and handed to Transformers as an
-  ``and_mask_function`` (same document, pad queries see only themselves), with the 2D mask set
-  to ``None``, so Transformers builds its own causal / sliding-window mask in the backend's
-  format: a float additive mask for eager, a bool mask for sdpa, a ``BlockMask`` for flex
-  (flex never gets a 4D tensor). For flash_attention_* the document-id tensor itself is
-  returned as the layer mask.
+  ``and_mask_function`` (kv not padding; a real query only within its document, a padding
+  query as in Transformers' own padding mask), with the 2D mask set to ``None``, so
+  Transformers builds its own causal / sliding-window mask in the backend's format: a float
+  additive mask for eager, a bool mask for sdpa, a ``BlockMask`` for flex (flex never gets a
+  4D tensor). For flash_attention_* the document-id tensor itself is returned as the layer mask.
+- A batch without documents (at most one run of real tokens per row: a 0/1 padding mask) must
+  be stock's bit for bit. On eager the mask above is already stock's, element for element
+  (no value read). The builders of sdpa, flex_attention and flash_attention_* read the 2D
+  mask's values themselves outside tracing (sdpa and flash drop an all-ones mask for the
+  kernels' ``is_causal``, flex skips the padding function), which an ``and_mask_function``
+  would switch off; there, and only outside tracing, the replacement reads one flag ("does any
+  row hold a second document?") and, when none does, hands Transformers the caller's mask as
+  bool, its own cast, so it takes its own path. Under ``torch.compile`` (or any tracing) it
+  reads nothing and builds the mask above, as stock builds its mask there.
 - ``modeling_flash_attention_utils._get_unpad_data``: a document-id mask yields one varlen
   sequence per document (per-document ``cu_seqlens``); a 0/1 mask keeps the original.
 - the guards (refusals of what cannot be made document-aware) live in :mod:`.guards`.
@@ -29,6 +38,7 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..calls import argument, is_live, mask_arguments, mask_arguments_probe, parameters, unwrapped, with_arguments
 from .coverage import capabilities_for_config
@@ -122,6 +132,8 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     ids = split_at_position_resets(
                         torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device), positions
                     )
+                    if _without_documents(impl, ids):
+                        return original(*args, **kwargs)
                     return _same_document_call(original, args, kwargs, params, ids, cache)
                 return original(*args, **kwargs)
             ids = document_ids(mask)
@@ -129,6 +141,10 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                 ids = split_at_position_resets(ids, positions.to(ids.device))
             if any(c.handling == "per_document_positions" for c in caps):
                 check_positions(ids, positions, target, config)
+            if _without_documents(impl, ids):
+                # Transformers' own cast of a 2D mask (any non-zero value is a real token)
+                args, kwargs = with_arguments(args, kwargs, params, attention_mask=mask != 0)
+                return original(*args, **kwargs)
             if "flash" in impl:
                 past = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
                 if past or ids.shape[1] != embeds.shape[1]:
@@ -176,6 +192,30 @@ def _same_document_call(
         replace["position_ids"] = None
     args, kwargs = with_arguments(args, kwargs, params, **replace)
     return original(*args, **kwargs)
+
+
+#: Backends whose stock mask builder reads the 2D mask's values outside tracing (see the module
+#: docstring); eager's does not, and gets stock's mask from the document-id path as it is.
+_STOCK_READS_VALUES = ("sdpa", "flex_attention", "flash_attention")
+
+
+def _without_documents(impl: str, ids: torch.Tensor) -> bool:
+    """Whether to hand this call to the stock builder: ``impl`` is a backend whose stock builder
+    reads the mask's values itself, nothing is being traced, and no row of ``ids`` holds a second
+    document (one host read, on backends where stock reads the mask too)."""
+    if not impl.startswith(_STOCK_READS_VALUES) or _tracing(ids):
+        return False
+    return not bool((ids > 1).any())
+
+
+def _tracing(tensor: torch.Tensor) -> bool:
+    """Values cannot be read now: dynamo (compile, export), jit or fx tracing, fake or meta
+    tensors, CUDA graph capture."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or not isinstance(tensor, torch.Tensor):
+        return True
+    if isinstance(tensor, FakeTensor) or tensor.device.type == "meta":
+        return True
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _empty_cache(cache: Any) -> bool:

@@ -11,8 +11,15 @@ non-negative integer that the dtype represents exactly (bf16: up to 256, fp16: 2
 
 The attention rule these helpers express: a query attends to a key iff both are in the same
 document, the key is not after the query (and, with a sliding window ``w``, fewer than ``w``
-positions before it), and the key is not padding. A padding query attends to itself only, so
-no softmax row is ever empty (an empty row gives NaN and poisons gradients).
+positions before it), and the key is not padding. A padding query gets what Transformers' own
+padding mask gives it: every non-padding key the causal (and window) rule allows, whatever its
+document. Its output is never used, but it must be stock's: an MoE block routes that row like
+any other and runs each expert once over the rows routed to it, so a padding row that differs
+from stock changes the shape of the experts' matmuls and, through them, real tokens' results by
+a few ulps. A 0/1 mask therefore yields exactly stock's mask, padding rows included. A padding
+query with no such key (left padding, a padding row) gets an empty row, as in stock, and every
+backend handles it as stock does: eager softmaxes a row of ``finfo.min`` to uniform weights,
+sdpa (a bool mask) and flex_attention return zeros for it, not NaN.
 """
 
 from __future__ import annotations
@@ -184,8 +191,10 @@ def unpad_documents(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int
 
 
 def same_document_mask_function(doc_ids: torch.Tensor, kv_length: Optional[int] = None) -> MaskFn:
-    """``mask_mod(b, h, q, kv)`` that is True iff q and kv are in one document (kv not padding), or q == kv.
+    """``mask_mod(b, h, q, kv)``: kv is not padding, and q is in kv's document or is padding.
 
+    The padding part of Transformers' own mask with "same document" added for real queries (see
+    the module docstring): for a 0/1 mask it equals Transformers' ``padding_mask_function``.
     ``doc_ids``: int ``[B, L]`` from :func:`document_ids`. ``kv_length`` (a static cache longer
     than the mask): ids are padded with 0 (padding) up to it. Combine with a causal function;
     works broadcast, under ``torch.vmap`` and inside a compiled ``create_block_mask`` (no clamps:
@@ -196,7 +205,8 @@ def same_document_mask_function(doc_ids: torch.Tensor, kv_length: Optional[int] 
 
     def same_document(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         kv_doc = doc_ids[b, kv]
-        return ((doc_ids[b, q] == kv_doc) & (kv_doc != 0)) | (q == kv)
+        q_doc = doc_ids[b, q]
+        return (kv_doc != 0) & ((q_doc == kv_doc) | (q_doc == 0))
 
     return same_document
 

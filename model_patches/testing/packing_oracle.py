@@ -47,10 +47,11 @@ BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
 _LENGTHS = (7, 6, 5, 4, 3, 3, 2)
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """Random-init fp32 causal LM of ``family`` (a key of :data:`FAMILIES_UNDER_TEST`), eval mode."""
+def tiny_model(family: str, seed: int = 0, implementation: str = "eager") -> torch.nn.Module:
+    """Random-init fp32 causal LM of ``family`` (a key of :data:`FAMILIES_UNDER_TEST`), eval mode,
+    on the ``implementation`` attention backend."""
     model_type, extra = FAMILIES_UNDER_TEST[family]
-    return tiny_causal_lm(model_type, "eager", seed, sizes=_COMMON, family_sizes={}, **extra)
+    return tiny_causal_lm(model_type, implementation, seed, sizes=_COMMON, family_sizes={}, **extra)
 
 
 def packed_batch(seed: int = 0, max_length: int = 12, lengths: tuple[int, ...] = _LENGTHS) -> dict[str, torch.Tensor]:

@@ -97,10 +97,16 @@ def test_block_causal_mask_matches_the_rule(rows, window) -> None:
         doc = {i: k for k, (s, e) in enumerate(_runs(row), start=1) for i in range(s, e)}
         for q in range(len(row)):
             for kv in range(len(row)):
-                same = kv in doc and doc.get(q) == doc[kv]
-                ok = kv <= q and (same or q == kv) and (window is None or q - kv < window)
+                # a padding query sees what Transformers' padding mask gives it: every real key
+                sees = kv in doc and (q not in doc or doc[q] == doc[kv])
+                ok = kv <= q and sees and (window is None or q - kv < window)
                 assert bool(dense[r, 0, q, kv]) == ok, (r, q, kv)
-        assert dense[r, 0].any(-1).all(), "every query attends to something (no NaN rows)"
+        real = torch.tensor([q in doc for q in range(len(row))], dtype=torch.bool)
+        assert dense[r, 0, real].any(-1).all(), "every real query attends to something (itself)"
+        if len(_runs(row)) <= 1:  # an ordinary padding row: exactly causal AND key not padding
+            q, kv = torch.arange(len(row))[:, None], torch.arange(len(row))[None, :]
+            stock = (kv <= q) & real[None, :] & ((q - kv < window) if window else True)
+            assert torch.equal(dense[r, 0], stock), r
 
 
 def test_mask_function_pads_to_a_longer_cache() -> None:

@@ -1,6 +1,17 @@
-"""Generation with the packing patch on gives stock Transformers' tokens, bit for bit, for every
-cache implementation that runs on CPU, padded or not, with int, bool and float masks (or none),
-greedy, beam search and sampling.
+"""Generation with the packing patch on gives stock Transformers' results, bit for bit: the same
+tokens and the same scores (``output_scores``, every step compared with ``torch.equal``), for
+every cache implementation that runs on CPU, padded or not, with int, bool and float masks (or
+none), greedy, beam search and sampling; and for every family of the packing oracle's sweep
+(``model_patches.testing.packing_oracle.FAMILIES_UNDER_TEST``: dense, sliding-window, hybrid and
+MoE; the other MoE families patched by name nightly), on eager and sdpa, dynamic and static
+caches, compiled, and on flash_attention_2 through the CPU double. The sweep's models keep a
+random embedding for the pad token, so padding rows carry real values.
+
+Scores, not only tokens: a batch without documents must reach attention with stock's own mask,
+padding rows included. An MoE block runs each expert once over the tokens routed to it, so a
+padding row that attends differently from stock routes differently, changes the row count of the
+experts' matmuls and moves real tokens' logits by a few ulps, which greedy tokens rarely show.
+``test_an_ordinary_mask_reaches_attention_as_stock`` pins that mask itself.
 
 A static cache's masks are as long as the cache, longer than the 2D mask; the document ids are
 padded to the cache's capacity, read through the name the installed release gives it (a patch
@@ -10,6 +21,7 @@ record checks that name exists). Offloaded caches need CUDA and run in the CUDA-
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +29,7 @@ import torch
 import model_patches
 from model_patches.packing.mask_builders import CACHE_CAPACITY, cache_capacity_probe
 from model_patches.testing import tiny_causal_lm
+from model_patches.testing.packing_oracle import FAMILIES_UNDER_TEST, backend, tiny_model
 
 CPU_CACHES = ("dynamic", "static", "sliding_window", "hybrid")
 MASKS = ("int64", "bool", "float32", "none")
@@ -25,17 +38,25 @@ DECODING = {
     "beam": dict(do_sample=False, num_beams=2),
     "sample": dict(do_sample=True, top_k=20),
 }
-#: families with full attention, MoE, sliding-window layers and a soft-capped hybrid pattern
-FAMILIES = {
-    "llama": {},
-    "qwen3_moe": {"mlp_only_layers": []},
-    "mistral": {"sliding_window": 4},
-    "gemma3_text": {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+#: MoE families patched by name besides the sweep's Qwen3-MoE (tiny: 4 experts, top 2)
+MORE_MOE: dict[str, dict[str, Any]] = {
+    "mixtral": {},
+    "qwen2_moe": {"mlp_only_layers": []},
 }
+#: the sweep's families (full attention, sliding windows, a sliding/full hybrid, MoE) and MORE_MOE
+FAMILIES = (*FAMILIES_UNDER_TEST, *MORE_MOE)
+#: the same, MORE_MOE marked slow (nightly) where a test generates with every family
+FAMILY_PARAMS = [*FAMILIES_UNDER_TEST, *(pytest.param(f, marks=pytest.mark.slow) for f in MORE_MOE)]
+#: (mask dtype, left-padded) of the family tests: padded and not, int and whole-number float
+FAMILY_MASKS = (("int64", False), ("int64", True), ("float32", True))
 
 
 def _model(family: str, implementation: str) -> torch.nn.Module:
-    model = tiny_causal_lm(family, implementation, **FAMILIES[family])
+    if family in MORE_MOE:
+        # pad_token_id=None: the pad token's embedding is not zeroed, so padding rows carry real values
+        model = tiny_causal_lm(family, implementation, pad_token_id=None, **MORE_MOE[family])
+    else:
+        model = tiny_model(family, implementation=implementation)
     model.generation_config.pad_token_id = 0
     return model
 
@@ -52,18 +73,30 @@ def _inputs(mask_dtype: str, padded: bool) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask.to(getattr(torch, mask_dtype))}
 
 
-def _generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: str, decoding: str) -> torch.Tensor:
+def _generate(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: str, decoding: str) -> Any:
     torch.manual_seed(11)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Transformers' notes about deprecated cache names
-        return model.generate(**inputs, max_new_tokens=5, cache_implementation=cache, **DECODING[decoding])
+        return model.generate(
+            **inputs, max_new_tokens=5, cache_implementation=cache, output_scores=True,
+            return_dict_in_generate=True, **DECODING[decoding],
+        )
+
+
+def _assert_same_generation(stock: Any, patched: Any) -> None:
+    """The same tokens and every step's scores bitwise (``torch.equal``)."""
+    assert torch.equal(stock.sequences, patched.sequences), (stock.sequences, patched.sequences)
+    assert len(stock.scores) == len(patched.scores)
+    unequal = [(step, int((a != b).sum()), float((a - b).nan_to_num().abs().max()))
+               for step, (a, b) in enumerate(zip(stock.scores, patched.scores)) if not torch.equal(a, b)]
+    assert not unequal, f"scores differ from stock at (step, elements, max |diff|): {unequal}"
 
 
 def _equal_with_patch(model: torch.nn.Module, inputs: dict[str, torch.Tensor], cache: str, decoding: str) -> None:
     stock = _generate(model, inputs, cache, decoding)
     with model_patches.enable_packing():
         patched = _generate(model, inputs, cache, decoding)
-    assert torch.equal(stock, patched), (stock, patched)
+    _assert_same_generation(stock, patched)
 
 
 @pytest.mark.parametrize("cache", CPU_CACHES)
@@ -74,31 +107,102 @@ def test_every_cache_mask_dtype_and_decoding_matches_stock(cache: str, mask_dtyp
     _equal_with_patch(model, _inputs(mask_dtype, padded=mask_dtype != "none"), cache, decoding)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", FAMILY_PARAMS)
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("cache", ["static", "dynamic"])
 def test_families_and_backends_match_stock(family: str, implementation: str, cache: str) -> None:
+    """Tokens and scores bitwise, int64 and float masks, padded or not."""
     model = _model(family, implementation)
-    for padded in (False, True):
-        _equal_with_patch(model, _inputs("int64", padded), cache, "greedy")
+    for mask_dtype, padded in FAMILY_MASKS:
+        _equal_with_patch(model, _inputs(mask_dtype, padded), cache, "greedy")
 
 
-def test_compiled_static_cache_generation_matches_stock() -> None:
-    """Static-cache decoding compiled (``aot_eager``: what the patch changes is the graph, not the kernels)."""
-    model = _model("llama", "sdpa")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_flash_generation_matches_stock(family: str, cache: str) -> None:
+    """flash_attention_2 (on CPU through the test double, Transformers' real flash path): a 0/1
+    mask takes stock's path, so padded decoding works and is bitwise stock's."""
+    model = _model(family, "eager")
+    with backend(model, "flash_attention_2"):
+        for mask_dtype, padded in FAMILY_MASKS:
+            _equal_with_patch(model, _inputs(mask_dtype, padded), cache, "greedy")
+
+
+_LEFT = [[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]
+#: ordinary 0/1 masks (one run of real tokens per row: left and right padding, none, a padding
+#: row), int64 or float32
+ORDINARY_MASKS = {
+    "left, int64": torch.tensor(_LEFT),
+    "left, float32": torch.tensor(_LEFT, dtype=torch.float32),
+    "right, int64": torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]]),
+    "unpadded, float32": torch.ones(2, 7),
+    "padding row, int64": torch.tensor([[0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1]]),
+}
+
+
+def _attention_masks(model: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, list[Any]]:
+    """(logits, the ``attention_mask`` each attention layer received) of one forward."""
+    seen: list[Any] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        seen.append(kwargs.get("attention_mask"))
+
+    hooks = [m.register_forward_hook(record, with_kwargs=True)
+             for name, m in model.named_modules() if name.endswith("self_attn")]
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen, "no attention layer found"
+    return logits, seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_an_ordinary_mask_reaches_attention_as_stock(family: str, implementation: str) -> None:
+    """A batch without documents reaches every attention layer with stock's mask: the same
+    tensor (dtype, shape, strides, values; padding rows included) or, where stock skips it for
+    sdpa's ``is_causal``, none; and the logits are bitwise stock's."""
+    model = _model(family, implementation)
+    ids = torch.randint(3, 120, (2, 7), generator=torch.Generator().manual_seed(5))
+    for layout, mask in ORDINARY_MASKS.items():
+        for use_cache in (False, True):
+            inputs = dict(input_ids=ids, attention_mask=mask, use_cache=use_cache)
+            stock_logits, stock = _attention_masks(model, **inputs)
+            with model_patches.enable_packing():
+                logits, patched = _attention_masks(model, **inputs)
+            where = f"{layout}, use_cache={use_cache}"
+            for layer, (a, b) in enumerate(zip(stock, patched)):
+                if a is None or b is None:
+                    assert a is None and b is None, f"{where}, layer {layer}: stock {a}, patched {b}"
+                    continue
+                assert (b.dtype, b.shape, b.stride()) == (a.dtype, a.shape, a.stride()), (where, layer)
+                differ = (a != b).nonzero().tolist()
+                assert not differ, f"{where}, layer {layer}: differs from stock at (b, h, q, kv) {differ[:6]}"
+            assert torch.equal(stock_logits, logits), where
+
+
+@pytest.mark.parametrize("family, implementation", [("llama", "sdpa"), ("qwen3_moe", "eager")])
+def test_compiled_static_cache_generation_matches_stock(family: str, implementation: str) -> None:
+    """Static-cache decoding compiled (``aot_eager``: what the patch changes is the graph, not the
+    kernels). While tracing, the patch reads no mask values and builds the mask from document
+    ids, which must still be stock's. Both runs compile: compiling alone moves the decode steps'
+    last bits away from eager decoding, patch or not."""
+    model = _model(family, implementation)
     model.generation_config.compile_config = None
     inputs = _inputs("int64", padded=True)
-    stock = _generate(model, inputs, "static", "greedy")
     torch._dynamo.reset()
-    compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=False)
-    model.forward = compiled
+    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=False)
     try:
+        stock = _generate(model, inputs, "static", "greedy")
         with model_patches.enable_packing():
             patched = _generate(model, inputs, "static", "greedy")
     finally:
         del model.forward
         torch._dynamo.reset()
-    assert torch.equal(stock, patched)
+    _assert_same_generation(stock, patched)
 
 
 def test_the_cache_capacity_is_read_through_a_probed_name() -> None:
