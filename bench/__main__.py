@@ -30,6 +30,7 @@ from .report import Section, Table
 
 # name -> module; order is the report's order.
 SECTIONS = {
+    "train": "bench.train",
     "ce": "bench.ce_logits",
     "lce": "bench.ce_hidden",
     "logprobs": "bench.logprobs",

@@ -348,15 +348,32 @@ def _fused_fake(hidden, weight, bias, hidden2, weight2, bias2, labels, coef, nee
 _HEAD = ("hidden", "weight", "bias", "hidden2", "weight2", "bias2")
 
 
+def _unit_scale(grad_loss: torch.Tensor) -> bool:
+    """Whether the loss's incoming gradient is exactly 1 and reading it costs nothing: a CPU scalar
+    outside tracing and functorch transforms (on an accelerator the read would wait for the device)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if grad_loss.device.type != "cpu" or grad_loss.numel() != 1 or torch.compiler.is_compiling():
+        return False
+    if torch._C._are_functorch_transforms_active() or is_fake(grad_loss):
+        return False
+    return bool(grad_loss == 1)
+
+
 def _fused_backward(saved: dict, spec: LossSpec, needs: dict, grad_loss: torch.Tensor) -> dict:
-    scale = grad_loss.float()
     computed = saved["needs"]
+    # ``loss.backward()`` sends 1: the gradients computed in forward are handed on as they are,
+    # not copied (a second [V, H] buffer for the weight's, while the saved one is alive). Autograd
+    # frees what it saved before the gradient reaches AccumulateGrad, which then takes the buffer
+    # as the parameter's .grad; with retain_graph=True it copies it instead, as for any gradient.
+    scale = None if _unit_scale(grad_loss) else grad_loss.float()
+    mul = (lambda t: t) if scale is None else (lambda t: t * scale)  # a 0-dim scale keeps each dtype
     with torch.no_grad():
-        scaled = tuple(  # a 0-dim scale: each stays in its own dtype
-            saved[f"out{i + 2}"] * scale if computed[i] and needs[name] else None
+        scaled = tuple(
+            mul(saved[f"out{i + 2}"]) if computed[i] and needs[name] else None
             for i, name in enumerate(_HEAD)
         )
-        grad_coef = saved["out1"] * scale if needs["coef"] else None
+        grad_coef = mul(saved["out1"]) if needs["coef"] else None
     grads = _refuse_double_backward(scaled, tuple(saved[n] for n in _HEAD), spec)
     return dict(zip(_HEAD, grads), coef=grad_coef)
 

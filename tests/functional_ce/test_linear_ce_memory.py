@@ -123,3 +123,26 @@ def test_backward_of_the_default_path_allocates_only_the_scaled_gradients():
         (2.0 * loss).backward()
     big = sorted(((r[1], r[2]) for r in bwd.records if _numel(r[1]) >= min(N, V)), key=str)
     assert big == sorted([((N, H), hidden.dtype), ((V, H), weight.dtype), ((V,), bias.dtype)], key=str), big
+
+
+def test_backward_of_a_unit_gradient_copies_no_weight_gradient():
+    """``loss.backward()`` on CPU hands the gradients computed in forward on without a second
+    [V, H] buffer, and the parameter's .grad is that buffer; any other scale, and a retained graph
+    run twice, still give the scaled, accumulated gradients."""
+    hidden, weight, bias, labels = _inputs(torch.float32)
+    call = lambda: functional_ce.linear_cross_entropy(hidden, weight, labels, bias=bias, chunk_size=CHUNK,  # noqa: E731
+                                                      compile_chunks=False)
+    fwd, bwd = trace_forward_and_backward(call)
+    assert any(r[1] == (V, H) for r in fwd.records)
+    assert not [r for r in bwd.records if r[1] in ((V, H), (N // 4, 4, H), (4, N // 4, H))], bwd.records
+    once = weight.grad.clone()
+    for p in (hidden, weight, bias):
+        p.grad = None
+    (call() * 3.0).backward()
+    torch.testing.assert_close(weight.grad, 3 * once)
+    for p in (hidden, weight, bias):
+        p.grad = None
+    loss = call()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(weight.grad, 2 * once)

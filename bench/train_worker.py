@@ -1,0 +1,241 @@
+"""One ``train`` variant: a Hugging Face ``Trainer`` run in this process, measured per step.
+
+Run as ``python -m bench.train_worker '<json spec>'`` (:func:`run_variant` in ``bench.train``
+does that, with ``bench.measure.child_env``); the last line starting with ``BENCH-RESULT ``
+holds the result as JSON. The spec (see :func:`run`):
+
+- ``model``, ``layers``, ``overrides`` (config values, e.g. tiny widths), ``seed``, ``device``,
+  ``dtype`` (``"fp32"``; ``"bf16"`` runs ``Trainer(bf16=True)``: autocast over fp32 weights);
+- ``variant``: ``hf_gc`` (``TrainingArguments(gradient_checkpointing=True)``), ``hidden_loss``
+  (:func:`model_patches.enable_hidden_state_loss`), ``policy`` (a preset name for
+  :func:`ac_policies.apply_policy`), ``fit`` (a budget for :func:`ac_policies.fit` as a fraction
+  of the peak without checkpointing, measured on the first batch; the policy it returns is
+  applied), ``packing`` (:func:`model_patches.enable_packing` and ``PackingCollator`` instead of
+  padding), and ``wrong`` (for the tests: ``"lr"`` trains at 10x the learning rate,
+  ``"drop_token"`` stops scoring one token per step);
+- ``data``: ``steps``, and either ``docs_per_step`` + ``row_len`` (documents drawn from
+  :data:`bench.train_data.DISTRIBUTION`) or ``context`` (one document of that many tokens per
+  step, one row);
+- ``lr``.
+
+The run: the model is built with a fixed seed (same initial weights in every variant), the
+variant applied, ``Trainer`` with its default optimizer (``adamw_torch_fused``: torch's fused
+AdamW, which has a CPU kernel in torch >= 2.4), constant learning rate, weight decay 0, gradient
+clipping at 1.0 (``Trainer``'s default), no evaluation, no saving, batches in dataset order.
+The first step is a warm-up (optimizer state, first-call compilation); memory and time come
+from the later steps, each measured above its own start (:mod:`bench.train_meter`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from .train_data import context_documents, packed_batch, padded_batch, real_tokens, scored_tokens, step_documents
+from .train_meter import PhaseMeter, summarize
+from .train_models import build_model
+
+MARK = "BENCH-RESULT "
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a variant changes against stock (see the module docstring)."""
+
+    hf_gc: bool = False
+    hidden_loss: bool = False
+    policy: Optional[str] = None
+    fit: Optional[float] = None
+    packing: bool = False
+    wrong: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.hf_gc and (self.policy or self.fit):
+            raise ValueError("a variant takes Hugging Face gradient checkpointing or an ac_policies policy, not both")
+        if self.policy and self.fit:
+            raise ValueError("a variant takes a preset policy or a fit() budget, not both")
+        if self.wrong not in (None, "lr", "drop_token"):
+            raise ValueError(f"wrong must be None, 'lr' or 'drop_token', got {self.wrong!r}")
+
+    @property
+    def checkpointing(self) -> str:
+        """The checkpointing this variant uses, as the report groups variants: none, hf or ac."""
+        return "hf" if self.hf_gc else "ac" if (self.policy or self.fit) else "none"
+
+
+def _batches(data: dict[str, Any], vocab: int, seed: int, packing: bool) -> list[dict[str, torch.Tensor]]:
+    if "context" in data:
+        groups = context_documents(data["steps"], int(data["context"]), vocab, seed)
+        return [padded_batch(g) for g in groups]  # one full row: nothing to pack
+    groups = step_documents(data["steps"], data["docs_per_step"], data["row_len"], vocab, seed)
+    return [packed_batch(g, data["row_len"]) if packing else padded_batch(g) for g in groups]
+
+
+def _drop_one_token(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    labels = batch["labels"].clone()
+    row, col = (labels[:, 1:] != -100).nonzero()[-1].tolist()
+    labels[row, col + 1] = -100
+    return {**batch, "labels": labels}
+
+
+def _apply_variant(model: torch.nn.Module, variant: Variant, first: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Patch ``model`` as ``variant`` asks; returns the handles (kept alive for the run) and notes."""
+    import ac_policies
+    import model_patches
+
+    out: dict[str, Any] = {"handles": [], "policy_rows": None}
+    if variant.packing:
+        out["handles"].append(model_patches.enable_packing(model=model))
+    if variant.fit is not None:
+        inputs = {k: v for k, v in first.items()}
+        policy = ac_policies.fit(model, lambda: model(**inputs).loss, variant.fit)
+        model.zero_grad(set_to_none=True)
+        out["handles"].append(ac_policies.apply_policy(model, policy))
+        out["policy_rows"] = len(policy.rules)
+    elif variant.policy:
+        out["handles"].append(ac_policies.apply_policy(model, variant.policy))
+    if variant.hidden_loss:
+        out["handles"].append(model_patches.enable_hidden_state_loss(model))
+    return out
+
+
+def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    return {"params": p_bytes, "grads": p_bytes, "optimizer": state}
+
+
+def _trainer_classes(meter: PhaseMeter) -> tuple[type, type]:
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback
+
+    class MeteredTrainer(Trainer):
+        """``Trainer`` with the forward phase measured around ``compute_loss`` and the batches in order."""
+
+        last_loss = float("nan")
+        last_batch: dict[str, Any] = {}
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            meter.start("forward")
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+            meter.stop("forward")
+            meter.start("backward")
+            return out
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.last_batch = inputs
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.last_loss = float(loss)
+            return loss
+
+    class Phases(TrainerCallback):
+        """Phase boundaries around the optimizer step; the static bytes once the state exists."""
+
+        trainer: Any = None
+
+        def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.static = _static_bytes(model, getattr(optimizer, "optimizer", optimizer))
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            meter.step_begin()
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            meter.stop("backward")
+            self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                  if p.grad is not None)
+            meter.start("optimizer")
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            meter.stop("optimizer")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            batch = self.trainer.last_batch
+            meter.step_end(self.trainer.last_loss, real_tokens(batch), scored_tokens(batch), self.grad_bytes)
+
+    return MeteredTrainer, Phases
+
+
+class _Groups(torch.utils.data.Dataset):
+    """One prebuilt batch per item (the collator unwraps it): every variant sees the same steps."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.batches[i]
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec``'s variant for ``spec['data']['steps']`` steps; the measured figures."""
+    from transformers import TrainingArguments
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    device = spec.get("device", "cpu")
+    variant = Variant(**spec.get("variant", {}))
+    model = build_model(spec["model"], spec["layers"], spec.get("overrides"), seed=spec.get("seed", 0))
+    vocab = model.config.vocab_size
+    data = spec["data"]
+    batches = _batches(data, vocab, spec.get("seed", 0), packing=False)  # packed below, after enable_packing
+    applied = _apply_variant(model, variant, batches[0])
+    if variant.packing:
+        batches = _batches(data, vocab, spec.get("seed", 0), packing=True)
+    if variant.wrong == "drop_token":
+        batches = [_drop_one_token(b) for b in batches]
+    meter = PhaseMeter(device)
+    MeteredTrainer, Phases = _trainer_classes(meter)
+    lr = float(spec.get("lr", 1e-4)) * (10.0 if variant.wrong == "lr" else 1.0)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = TrainingArguments(
+            output_dir=out_dir, per_device_train_batch_size=1, max_steps=len(batches), learning_rate=lr,
+            lr_scheduler_type="constant", weight_decay=0.0, seed=spec.get("seed", 0), report_to=[],
+            save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
+            remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not device.startswith("cuda"),
+            gradient_checkpointing=variant.hf_gc, bf16=spec.get("dtype") == "bf16",
+        )
+        phases = Phases()
+        trainer = MeteredTrainer(model=model, args=args, train_dataset=_Groups(batches),
+                                 data_collator=lambda items: items[0], callbacks=[phases])
+        phases.trainer = trainer
+        trainer.train()
+    summary = summarize(meter.steps, phases.static)
+    summary["slots"] = [int(b["input_ids"].numel()) for b in batches]
+    summary["scored_tokens"] = [s["scored_tokens"] for s in meter.steps]
+    return {"static": phases.static, "optimizer": args.optim.value if hasattr(args.optim, "value") else str(args.optim),
+            "policy_rows": applied["policy_rows"], **summary}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    try:
+        result = run(spec)
+    except Exception as exc:  # reported to the parent as this variant's error
+        result = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        print(MARK + json.dumps(result), flush=True)
+        raise
+    print(MARK + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        print("warning: run through bench.measure.child_env() so that freed memory leaves the resident set",
+              file=sys.stderr)
+    sys.exit(main(sys.argv[1:]))

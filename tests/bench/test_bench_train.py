@@ -1,0 +1,167 @@
+"""`bench train`: the context search, the data, the loss check, and the section end to end at tiny widths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.train_context import Budget, longest_fitting, parse_budget
+from bench.train_data import DISTRIBUTION, LengthDistribution, padded_batch, real_tokens, scored_tokens, step_documents
+from bench.train_variants import loss_agreement
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+
+
+# ---- the context search, on synthetic memory curves ------------------------------------------
+
+@given(static=st.integers(0, 10**6), per_token=st.integers(1, 4000), quadratic=st.integers(0, 3),
+       budget=st.integers(1, 10**8), start=st.sampled_from([64, 256]), limit=st.sampled_from([1024, 5000, 65536]))
+def test_longest_fitting_finds_the_measured_boundary(static, per_token, quadratic, budget, start, limit):
+    def memory(n: int) -> int:
+        return static + per_token * n + quadratic * n * n
+
+    asked: list[int] = []
+
+    def fits(n: int) -> bool:
+        asked.append(n)
+        return memory(n) <= budget
+
+    s = longest_fitting(fits, start, limit, granularity=64)
+    assert [n for n, _ in s.probes] == asked
+    assert all(start <= n <= limit for n in asked)
+    truth = max((n for n in range(start, limit + 1) if memory(n) <= budget), default=None)
+    if truth is None:
+        assert s.longest is None and s.probes == ((start, False),)
+        return
+    # never extrapolated: the answer was itself measured and fitted
+    assert (s.longest, True) in s.probes
+    assert s.longest <= truth
+    if s.at_limit:
+        assert s.longest == limit == truth
+    else:
+        # the first length above it that was measured did not fit, within the search's resolution
+        misses = [n for n, ok in s.probes if not ok and n > s.longest]
+        assert misses and min(misses) - s.longest <= max(64, 0.25 * s.longest)
+        assert truth - s.longest <= max(64, 0.25 * s.longest)
+
+
+def test_longest_fitting_doubles_then_bisects():
+    # memory crosses the budget between 1000 and 1001 tokens
+    s = longest_fitting(lambda n: n <= 1000, 128, 16384, granularity=64, tolerance=0.0)
+    assert [n for n, _ in s.probes][:5] == [128, 256, 512, 1024, 768]
+    assert s.longest == 960 and not s.at_limit
+
+
+def test_longest_fitting_refuses_bad_bounds():
+    with pytest.raises(ValueError, match="start <= limit"):
+        longest_fitting(lambda n: True, 512, 256, 64)
+    with pytest.raises(ValueError, match="granularity"):
+        longest_fitting(lambda n: True, 64, 256, 0)
+
+
+def test_parse_budget():
+    assert parse_budget("+1GiB") == Budget(2**30, above_static=True)
+    assert parse_budget("6GB") == Budget(6 * 10**9, above_static=False)
+    assert parse_budget("512MiB").limit_above_static(100 * 2**20) == 412 * 2**20
+    assert parse_budget("+1GiB").limit_above_static(10**12) == 2**30
+    for bad in ("", "lots", "-1GiB", "0MiB", "3 parsecs"):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(bad)
+
+
+# ---- the documents ---------------------------------------------------------------------------
+
+def test_length_distribution_has_its_documented_statistics():
+    s = DISTRIBUTION.stats(max_len=10**6, n=50000)
+    assert s["median"] == pytest.approx(64, rel=0.05)
+    assert s["mean"] == pytest.approx(105, rel=0.05)  # 64 e^(1/2)
+    assert s["p90"] == pytest.approx(230, rel=0.06)
+    assert s["p99"] == pytest.approx(655, rel=0.12)
+    clipped = DISTRIBUTION.stats(max_len=128)
+    assert clipped["p90"] == 128 and 0.15 < clipped["clipped"] < 0.35
+    assert "median 64" in DISTRIBUTION.describe(256)
+    assert DISTRIBUTION.draw(50, 256, seed=3) == DISTRIBUTION.draw(50, 256, seed=3)
+    assert min(LengthDistribution(minimum=8).draw(2000, 256, 0)) >= 8
+
+
+def test_padded_and_packed_layouts_score_the_same_tokens():
+    from bench.train_data import packed_batch
+
+    for docs in step_documents(steps=4, docs_per_step=5, max_len=128, vocab=1000, seed=1):
+        padded = padded_batch(docs)
+        packed = packed_batch(docs, 128, require_packing=False)
+        assert real_tokens(padded) == real_tokens(packed) == sum(map(len, docs))
+        assert scored_tokens(padded) == scored_tokens(packed) == sum(len(d) - 1 for d in docs)
+        assert padded["input_ids"].shape == (5, max(map(len, docs)))
+
+
+def test_loss_agreement_flags_a_curve_off_by_more_than_round_off():
+    ref = [12.0, 11.5, 11.0]
+    assert loss_agreement(ref, [12.0, 11.5 + 1e-6, 11.0], 1e-4) == (pytest.approx(1e-6), True)
+    diff, ok = loss_agreement(ref, [12.0, 11.5, 10.9], 1e-4)
+    assert not ok and diff == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="different lengths"):
+        loss_agreement(ref, ref[:2], 1e-4)
+
+
+# ---- whole runs at tiny widths (each variant a process of ~10 s) -----------------------------
+
+def _spec(variant: dict, steps: int = 5) -> dict:
+    return {"model": "qwen3-0.6b", "layers": 2, "overrides": TINY, "variant": variant, "device": "cpu",
+            "dtype": "fp32", "lr": 1e-3, "seed": 0, "data": {"steps": steps, "docs_per_step": 3, "row_len": 64}}
+
+
+@pytest.mark.slow  # four training processes, about a minute on 2 cores
+def test_loss_check_fails_on_a_deliberately_wrong_variant():
+    from bench.train_variants import run_variant
+
+    stock = run_variant(_spec({}), timeout=600)
+    library = run_variant(_spec({"packing": True, "hidden_loss": True, "policy": "full"}), timeout=600)
+    assert loss_agreement(stock["losses"], library["losses"], 1e-4)[1], (stock["losses"], library["losses"])
+    for wrong in ("lr", "drop_token"):
+        bad = run_variant(_spec({"wrong": wrong}), timeout=600)
+        assert "error" not in bad, bad
+        diff, ok = loss_agreement(stock["losses"], bad["losses"], 1e-4)
+        assert not ok, (wrong, diff)
+
+
+@pytest.mark.slow  # about ten training processes at tiny widths: a couple of minutes on 2 cores
+def test_bench_train_section_end_to_end():
+    from bench import train
+
+    args = argparse.Namespace(
+        device="cpu", full=False, train_full=False, train_models=["qwen3-0.6b", "qwen3-30b-a3b"],
+        train_variants=["stock", "stock+hf_gc", "ac:non_moe", "all"], train_layers=2, train_steps=5, train_docs=2,
+        train_row=64, train_lr=1e-3, train_context="on", train_context_models=["qwen3-0.6b"],
+        train_budget="+4MiB", train_context_limit=512, train_timeout=600.0, train_dtype=None,
+        train_overrides=json.dumps(TINY), dtype=None,
+    )
+    assert train.count(args) > 0
+    section = train.run(args, tick=lambda msg: None)
+    titles = [t.title for t in section.tables]
+    assert titles[0].startswith("train: qwen3-0.6b") and any("qwen3-30b-a3b" in t for t in titles)
+    dense = section.tables[0]
+    col = {c: i for i, c in enumerate(dense.columns)}
+    assert [r[0] for r in dense.rows] == ["stock", "stock+hf_gc", "all"]  # non_moe only on the MoE model
+    for row in dense.rows:
+        assert row[col["status"]] == "ok", row
+        assert row[col["losses agree"]] == "yes", row
+        assert row[col["peak phase"]] in ("forward", "backward", "optimizer")
+        assert row[col["real tokens/s"]] > 0
+    moe = next(t for t in section.tables if t.title.startswith("train: qwen3-30b-a3b, 2"))
+    assert "ac:non_moe" in [r[0] for r in moe.rows]
+    runs = section.data["models"]["qwen3-0.6b"]
+    assert runs["all"]["real_tokens"] == runs["stock"]["real_tokens"]  # packed: the same documents
+    assert all(s >= t for s, t in zip(runs["all"]["slots"], runs["all"]["real_tokens"]))
+    context = section.tables[-1]
+    assert context.title.startswith("train: longest context")
+    searches = section.data["context"]["qwen3-0.6b"]["searches"]
+    for name, s in searches.items():
+        assert s["probes"], name
+        if s["longest"] is not None:
+            assert [s["longest"], True] in [list(p) for p in s["probes"]]
