@@ -106,9 +106,13 @@ def _linear_ce(t: dict, x: Inputs, o: dict) -> torch.Tensor:
     return functional_ce.linear_cross_entropy(t["hidden"], t["weight"], x.labels, bias=t["bias"], **o)
 
 
+def _held_and_batch(o: dict) -> tuple[dict, dict]:
+    """A module form's options (held by the module) and its per-batch keywords (the mask)."""
+    return {k: v for k, v in o.items() if k != "mask"}, {k: o[k] for k in ("mask",) if k in o}
+
+
 def _module_linear_ce(t: dict, x: Inputs, o: dict) -> torch.Tensor:
-    batch = {k: o[k] for k in ("mask",) if k in o}
-    held = {k: v for k, v in o.items() if k not in batch}
+    held, batch = _held_and_batch(o)
     return functional_ce.LinearCrossEntropyLoss(**held)(t["hidden"], t["weight"], x.labels, t["bias"], **batch)
 
 
@@ -120,8 +124,7 @@ def _pipeline_ce(t: dict, x: Inputs, o: dict) -> torch.Tensor:
 
 
 def _module_ce(t: dict, x: Inputs, o: dict) -> torch.Tensor:
-    batch = {k: o[k] for k in ("mask",) if k in o}
-    held = {k: v for k, v in o.items() if k not in batch}
+    held, batch = _held_and_batch(o)
     return functional_ce.CrossEntropyLoss(**held)(t["logits"], x.labels, **batch)
 
 

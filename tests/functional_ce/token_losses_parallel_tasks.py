@@ -120,7 +120,8 @@ def _like(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(t, o.device_mesh, o.placements, run_check=False)
 
 
-def _backward(loss: Optional[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+def _backward(loss: Optional[torch.Tensor]) -> None:
+    """Backward of ``loss``; nothing when no output got an upstream gradient."""
     if loss is not None:
         loss.backward()
 
@@ -209,7 +210,7 @@ def vocab_parallel_case(mesh: Any, case: TokenCase, compile: Optional[str] = Non
     with CommBytes() as bwd:
         weighted = _weighted(outputs if case.dtensor_upstream else [o.to_local() for o in outputs],
                              case.seed + 1, case.grad_to)
-        _backward(weighted, leaves)
+        _backward(weighted)
     return TokenResult(
         [o.to_local().detach().clone() for o in outputs],
         [None if t.grad is None else t.grad.full_tensor() for t in leaves],
@@ -237,7 +238,7 @@ def fsdp_case(mesh: Any, case: TokenCase) -> Optional[dict[str, Any]]:
     outputs = _outputs(case, out)
     leaves = student + (teacher if case.teacher_grad else [])
     with CommBytes() as bwd:
-        _backward(_weighted(outputs, case.seed + 1, case.grad_to), leaves)
+        _backward(_weighted(outputs, case.seed + 1, case.grad_to))
     grads = [t.grad.full_tensor() if isinstance(t.grad, DTensor) else t.grad for t in leaves]
     return {"outputs": [o.detach() for o in outputs], "plain": not any(isinstance(o, DTensor) for o in outputs),
             "grads": grads, "grad_placements": [tuple(t.grad.placements) for t in leaves if isinstance(t.grad, DTensor)],
