@@ -34,14 +34,16 @@ WARMUP_TOKENS = 64
 START_TOKENS = 128
 GRANULARITY = 64
 #: The default budget on top of the static state, and the longest context probed. At Qwen3-0.6B's
-#: widths (1 layer, fp32) stock+hf_gc's step peak is 1197 MiB above static up to about 900 tokens
-#: (the tied embedding's gradients: two [V, H] fp32 buffers of 593 MiB beside the one counted as
-#: static), then grows by about 1.34 MiB a token ([T, V] fp32 logits, log-softmax and their
-#: gradients); the library's stays near 605 MiB (one such buffer) up to 2048 tokens, then grows by
-#: about 0.09 MiB a token. 1.5 GiB on top of the static state is the budget where stock fits
-#: about a thousand tokens; the library reaches the 8192 limit, which a 2-core CPU probes in about
-#: two minutes (the whole search: about 8 minutes).
-DEFAULT_BUDGET = "+1.5GiB"
+#: widths (1 layer, fp32, 2-core CPU) stock+hf_gc's step peak is a flat 1197 MiB above static up to
+#: about 1000 tokens (the tied embedding's gradient: two [V, H] fp32 buffers of 593 MiB beside the
+#: one counted as static), then grows by about 1.34 MiB a token ([T, V] fp32 logits, log-softmax
+#: and their gradients); the library's is near 605 MiB (one such buffer) up to 2048 tokens, then
+#: grows by about 0.09 MiB a token (the recomputed layer). Within +1.5GiB stock fits 1024 tokens on
+#: its flat floor, where the library's peak is 0.51x stock's (two buffers against one); within
+#: +2GiB stock's longest (1280) is set by its per-token memory, as at long context, and the
+#: library reaches the 8192 limit (a 2-core CPU probes it in about two minutes; the whole
+#: search takes about 7).
+DEFAULT_BUDGET = "+2GiB"
 DEFAULT_LIMIT = 8192
 TARGET_CONTEXT_RATIO = 4.0
 TARGET_PEAK_RATIO = 0.5
