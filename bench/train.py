@@ -1,24 +1,31 @@
 """``train`` section: whole training runs of real architectures, stock against the library.
 
 Per model (:mod:`bench.train_models`: published widths, random weights, fewer layers here), a
-Hugging Face ``Trainer`` run per variant (:mod:`bench.train_variants`), each in its own process,
-on the same documents (:mod:`bench.train_data`), from the same weights, with the same seed.
-Tables:
+Hugging Face ``Trainer`` run per variant (:mod:`bench.train_variants`), and with TRL installed the
+same through ``trl.SFTTrainer`` (:mod:`bench.train_sft`), each in its own process, on the same
+documents (:mod:`bench.train_data`), from the same weights, with the same seed. Tables:
 
 1. per model, the variants: per-step losses against stock's (and whether they agree), real
    tokens per second (padding not counted) and the step's peak memory above the static state
-   (parameters, gradients, AdamW state), both against stock with the same checkpointing, the
-   phase where the peak happens (forward+loss, backward, optimizer step) and what holds it;
-2. per model, the losses step by step;
-3. the longest context (one row, one document) whose measured step peak stays within
+   (parameters, gradients, AdamW state), both against stock with the same checkpointing and
+   trainer, the phase where the peak happens (forward+loss, backward, optimizer step) and what
+   holds it;
+2. per model, what each change buys (:mod:`bench.train_compare`): each feature against the run
+   that differs from it in that feature alone (hidden-state loss vs stock with the same
+   checkpointing, packed vs padded with the same loss, everything vs stock), with the targets;
+3. per model, the losses step by step;
+4. the longest context (one row, one document) whose measured step peak stays within
    ``--train-budget``, stock with Hugging Face checkpointing against the library (hidden-state
-   loss + the ``full`` policy), each probe its own process (:mod:`bench.train_context`), and the
+   loss + the ``full`` policy), each probe its own process (:mod:`bench.train_longest`), and the
    two peaks at the longest context stock fits.
 
-The quick run: Qwen3-0.6B's widths with 1 layer, 5 steps of 2 documents, stock with Hugging Face
-checkpointing against everything on; no context search (each probe at Qwen3-0.6B's vocabulary
-costs minutes on a CPU). ``--full`` or ``--train-full``: the four models, every variant, 6 steps
-of 4 documents in rows of 256, and the context search.
+The quick run: Qwen3-0.6B's widths with 1 layer, 3 steps of 2 documents, three variants (stock
+with Hugging Face checkpointing, the hidden-state loss alone with the same checkpointing,
+everything on), under a minute on 2 cores; packing alone and the SFTTrainer rows are left to
+``--full`` (two documents per step in rows of 128 pack into about as many slots as padding, so a
+packing ratio there says nothing), and so is the context search (``--train-context on``: about 8
+minutes). ``--full`` or ``--train-full``: the four models, every variant (SFTTrainer ones on
+``--train-sft-models``), 6 steps of 4 documents in rows of 256, and the context search.
 """
 
 from __future__ import annotations
@@ -30,18 +37,23 @@ from typing import Any, Callable, Optional
 from .host_dtype import DtypeChoice, choose
 from .modes import is_full, override, pick
 from .report import Section, Table, ratio
-from .train_context import Budget, longest_fitting, parse_budget
+from .train_compare import comparison_table
 from .train_data import DISTRIBUTION
+from .train_longest import DEFAULT_BUDGET, DEFAULT_LIMIT, longest_context_table
+from .train_meter import phase_peaks, what_holds
 from .train_models import FULL_MODELS, QUICK_MODELS, model_entry
 from .train_variants import (DESCRIPTIONS, LOSS_TOLERANCE, VARIANTS, Variant, loss_agreement, loss_reference,
                              run_variant, same_checkpointing, variants_for)
 
 MIB = 2**20
-QUICK_VARIANTS = ["stock+hf_gc", "all"]
+#: The quick run's variants: stock with Hugging Face checkpointing, the hidden-state loss alone with the
+#: same checkpointing, and everything on; three processes of 3 steps, under a minute on 2 cores.
+QUICK_VARIANTS = ["stock+hf_gc", "hidden_loss+hf_gc", "all"]
+QUICK_STEPS = 3
+#: Models the trl.SFTTrainer variants run on by default (each SFTTrainer run costs what a Trainer run does).
+SFT_MODELS = ["qwen3-0.6b"]
 #: Decoder layers in the --full run: as many as this 24 GB, 2-core host runs in reasonable time.
 FULL_LAYERS = {"qwen3-0.6b": 2, "mistral-7b": 1, "llama3.1-8b": 1, "qwen3-30b-a3b": 2, "gemma2-2b": 1}
-#: The context search's pair: stock with Hugging Face checkpointing, and the library.
-CONTEXT_PAIR = {"stock+hf_gc": Variant(hf_gc=True), "library": Variant(hidden_loss=True, policy="full")}
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -49,19 +61,23 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--train-models", nargs="+", metavar="MODEL",
                        help=f"models (default {' '.join(QUICK_MODELS)}; --full: {' '.join(FULL_MODELS)})")
     group.add_argument("--train-variants", nargs="+", metavar="VARIANT",
-                       help=f"variants of {', '.join(VARIANTS)} (default {' '.join(QUICK_VARIANTS)}; --full: all)")
+                       help=f"variants of {', '.join(VARIANTS)} (default {' '.join(QUICK_VARIANTS)}; --full: all; "
+                            "the sft ones need TRL)")
+    group.add_argument("--train-sft-models", nargs="+", metavar="MODEL",
+                       help=f"models the SFTTrainer variants run on (default {' '.join(SFT_MODELS)})")
     group.add_argument("--train-layers", type=int, help="decoder layers of every model (default 1; --full: per model)")
-    group.add_argument("--train-steps", type=int, help="optimizer steps, the first a warm-up (default 5; --full 6)")
+    group.add_argument("--train-steps", type=int,
+                       help=f"optimizer steps, the first a warm-up (default {QUICK_STEPS}; --full 6)")
     group.add_argument("--train-docs", type=int, help="documents per step (default 2; --full 4)")
     group.add_argument("--train-row", type=int, help="tokens per packed row, longest document (default 128; --full 256)")
     group.add_argument("--train-lr", type=float, default=1e-4, help="learning rate (constant; default 1e-4)")
     group.add_argument("--train-context", choices=["on", "off"], help="the longest-context search (default off; --full on)")
     group.add_argument("--train-context-models", nargs="+", metavar="MODEL",
                        help="models of the context search (default qwen3-0.6b)")
-    group.add_argument("--train-budget", default="+1GiB",
-                       help="memory budget of the context search: '+1GiB' on top of the static state "
+    group.add_argument("--train-budget",
+                       help=f"memory budget of the context search: '{DEFAULT_BUDGET}' on top of the static state "
                             "(parameters, gradients, optimizer state; default), or '6GiB' in all")
-    group.add_argument("--train-context-limit", type=int, help="longest context probed (default 16384)")
+    group.add_argument("--train-context-limit", type=int, help=f"longest context probed (default {DEFAULT_LIMIT})")
     group.add_argument("--train-timeout", type=float, default=1800.0, help="seconds before a run counts as failed")
     group.add_argument("--train-dtype", choices=["bf16", "fp16", "fp32"],
                        help="fp32 weights and AdamW; bf16: Trainer(bf16=True) autocast (default: by host)")
@@ -76,11 +92,11 @@ def resolved(args: argparse.Namespace) -> argparse.Namespace:
     return override(
         a, train_models=pick(a, g("train_models"), QUICK_MODELS, FULL_MODELS),
         train_variants=pick(a, g("train_variants"), QUICK_VARIANTS, list(VARIANTS)),
-        train_steps=pick(a, g("train_steps"), 5, 6), train_docs=pick(a, g("train_docs"), 2, 4),
+        train_steps=pick(a, g("train_steps"), QUICK_STEPS, 6), train_sft_models=g("train_sft_models") or SFT_MODELS, train_docs=pick(a, g("train_docs"), 2, 4),
         train_row=pick(a, g("train_row"), 128, 256), train_context=pick(a, g("train_context"), "off", "on"),
         train_context_models=g("train_context_models") or ["qwen3-0.6b"],
-        train_context_limit=g("train_context_limit") or 16384, train_lr=g("train_lr") or 1e-4,
-        train_budget=g("train_budget") or "+1GiB", train_timeout=g("train_timeout") or 1800.0,
+        train_context_limit=g("train_context_limit") or DEFAULT_LIMIT, train_lr=g("train_lr") or 1e-4,
+        train_budget=g("train_budget") or DEFAULT_BUDGET, train_timeout=g("train_timeout") or 1800.0,
         full=is_full(args),
     ), full
 
@@ -103,10 +119,16 @@ def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
     return {"train": choose(args, "--train-dtype", fixed=CPU_DTYPE if on_cpu else None)}
 
 
+def _variant_names(args: argparse.Namespace, model: str) -> list[str]:
+    """The variants that run on ``model``: those that apply to its kind, SFTTrainer ones on ``--train-sft-models``."""
+    return [n for n in variants_for(args.train_variants, model_entry(model).kind)
+            if VARIANTS[n].trainer == "hf" or model in args.train_sft_models]
+
+
 def count(args: argparse.Namespace) -> int:
     """Progress steps: one per variant run, about eight per context search."""
     a, _ = resolved(args)
-    runs = sum(len(variants_for(a.train_variants, model_entry(m).kind)) for m in a.train_models)
+    runs = sum(len(_variant_names(a, m)) for m in a.train_models)
     return runs + (16 * len(a.train_context_models) if a.train_context == "on" else 0)
 
 
@@ -123,19 +145,10 @@ def _mib(n: Optional[float]) -> Optional[float]:
     return None if n is None else n / MIB
 
 
-def holds(r: dict[str, Any]) -> str:
-    """What holds a run's step peak, from its phase figures."""
-    phase = r.get("peak_phase")
-    if phase is None:
-        return "-"
-    grads = r["static"]["grads"] / MIB
-    peak = r["phases"][phase]["peak"] / MIB
-    if phase == "forward":
-        return f"forward: activations kept for backward ({r['kept_after_forward'] / MIB:.0f} MiB at its end) + loss transients"
-    if phase == "backward":
-        return (f"backward: gradients ({grads:.0f} MiB) + {peak - grads:.0f} MiB of activations, their gradients "
-                f"and transients ({r['kept_after_forward'] / MIB:.0f} MiB kept from forward)")
-    return f"optimizer step: gradients ({grads:.0f} MiB) + {peak - grads:.0f} MiB of AdamW/clip temporaries"
+def _reserved(r: dict[str, Any]) -> Optional[int]:
+    """The caching allocator's largest pool over the phases (CUDA: ``max_memory_reserved``; CPU: None)."""
+    values = [p["reserved"] for p in r.get("phases", {}).values() if p.get("reserved") is not None]
+    return max(values) if values else None
 
 
 def _command(args: argparse.Namespace, full: bool) -> str:
@@ -153,7 +166,7 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
                   ) -> tuple[list[Table], dict[str, Any]]:
     entry = model_entry(model)
     layers = _layers(args, model, full)
-    names = variants_for(args.train_variants, entry.kind)
+    names = _variant_names(args, model)
     data = {"steps": args.train_steps, "docs_per_step": args.train_docs, "row_len": args.train_row}
     results = {}
     for name in names:
@@ -163,24 +176,23 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
     dtype = dtypes(args)["train"].dtype
     tol = LOSS_TOLERANCE[dtype]
     ref = loss_reference(ok)
-    rows, spread = [], {}
+    rows, spread, agreement = [], {}, {}
     for name in names:
         r = results[name]
         if "error" in r:
-            rows.append([name, VARIANTS[name].checkpointing] + [None] * 8 + [r["error"]])
+            rows.append([name, VARIANTS[name].checkpointing] + [None] * 9 + [r["error"]])
             continue
         diff, agree = loss_agreement(results[ref]["losses"], r["losses"], tol) if ref else (None, None)
+        agreement[name] = agree
         base = same_checkpointing(name, ok)
         b = results.get(base) if base else None
-        ph = r["phases"]
         rows.append([
             name, VARIANTS[name].checkpointing, diff,
             None if agree is None else ("yes" if agree else "NO"),
             r["tokens_per_s"], ratio(r["tokens_per_s"], b and b["tokens_per_s"]),
             _mib(r["peak_above_static"]), ratio(r["peak_above_static"], b and b["peak_above_static"]),
             r["peak_phase"],
-            " / ".join(f"{ph[p]['peak'] / MIB:.0f}" if p in ph else "-" for p in ("forward", "backward", "optimizer")),
-            holds(r), "ok",
+            phase_peaks(r), _mib(_reserved(r)), what_holds(r), "ok",
         ])
     static = next((results[n]["static"] for n in ok), None)
     first = results[ok[0]] if ok else {}
@@ -194,7 +206,8 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
         f"constant lr {args.train_lr}, weight decay 0, gradient clipping 1.0",
         f"losses agree: every step within {tol:g} x max(1, |loss|) of {ref}'s (same documents, weights, seed; packed "
         "rows score the same tokens as padded rows, the same per-token mean)",
-        "x stock: against stock with the same checkpointing (none: stock; Hugging Face's or a policy: stock+hf_gc)",
+        "x stock: against stock with the same checkpointing and trainer (none: stock; Hugging Face's or a policy: "
+        "stock+hf_gc; SFTTrainer rows: sft, sft+hf_gc)",
         "peak above static: the step's peak minus parameters, gradients and AdamW state; phases: peak above the "
         "step's start (gradients included) in forward+loss / backward (to the optimizer step, clipping included) / "
         "optimizer step",
@@ -208,10 +221,12 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
         notes.append(f"real tokens in the measured steps: {real}; row slots: " + ", ".join(f"{n} {s}" for n, s in slots.items()))
     notes += [f"{n}: {DESCRIPTIONS[n]}" for n in names]
     table = Table(
-        title=f"train: {model}, {layers} layer{'s' if layers != 1 else ''}, Trainer, stock vs library",
+        title=f"train: {model}, {layers} layer{'s' if layers != 1 else ''}, Trainer"
+              f"{' and SFTTrainer' if any(VARIANTS[n].trainer == 'sft' for n in names) else ''}, stock vs library",
         columns=["variant", "checkpointing", "loss max |diff| vs stock", "losses agree", "real tokens/s",
                  "x stock (tokens/s)", "peak above static (MiB)", "x stock (peak)", "peak phase",
-                 "fwd / bwd / opt peak above step start (MiB)", "what holds the peak", "status"],
+                 "fwd / bwd / opt peak above step start (MiB)", "CUDA peak reserved (MiB)", "what holds the peak",
+                 "status"],
         rows=rows, command=_command(args, full), baseline=f"stock with the same checkpointing; losses: {ref}",
         notes=notes, spread=spread,
     )
@@ -220,70 +235,8 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
         columns=["step", *ok], rows=[[i + 1, *(results[n]["losses"][i] for n in ok)] for i in range(args.train_steps)],
         command=_command(args, full), baseline=ref, notes=["the first step is the warm-up; all steps are compared"],
     ) if ok else None
-    return [t for t in (table, curves) if t is not None], results
-
-
-def _context_table(args: argparse.Namespace, model: str, full: bool, tick: Callable[[str], None]
-                   ) -> tuple[Table, dict[str, Any]]:
-    budget: Budget = parse_budget(args.train_budget)
-    layers = _layers(args, model, full)
-    probes: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def probe(name: str, tokens: int) -> dict[str, Any]:
-        if (name, tokens) not in probes:
-            tick(f"train context {model} {name} {tokens}")
-            spec = _spec(args, model, layers, CONTEXT_PAIR[name], {"steps": 2, "context": tokens})
-            probes[(name, tokens)] = run_variant(spec, args.train_timeout)
-        return probes[(name, tokens)]
-
-    def fits(name: str, tokens: int) -> bool:
-        r = probe(name, tokens)
-        if "error" in r:
-            return False
-        static = sum(r["static"].values())
-        return r["peak_above_static"] <= budget.limit_above_static(static)
-
-    start = min(256, args.train_context_limit)
-    searches = {n: longest_fitting(lambda t, n=n: fits(n, t), start, args.train_context_limit, 256)
-                for n in CONTEXT_PAIR}
-    rows = []
-    static_total = next((sum(r["static"].values()) for r in probes.values() if "static" in r), None)
-    stock_longest = searches["stock+hf_gc"].longest
-    for name, s in searches.items():
-        at = probes.get((name, s.longest)) if s.longest else None
-        rows.append([model, name, s.describe(), ratio(s.longest, stock_longest),
-                     _mib(at and at.get("peak_above_static")), at and at.get("peak_phase"),
-                     ", ".join(f"{t}:{'fits' if ok else 'no'}" + (" (error)" if "error" in probes[(name, t)] else "")
-                               for t, ok in s.probes)])
-    same = {}
-    if stock_longest:
-        for name in CONTEXT_PAIR:
-            same[name] = probe(name, stock_longest)
-        s, lib = same["stock+hf_gc"], same["library"]
-        if "error" not in s and "error" not in lib:
-            rows.append([model, f"library at stock's longest ({stock_longest})", None, None,
-                         _mib(lib["peak_above_static"]), lib["peak_phase"],
-                         f"x stock's peak above static: {ratio(lib['peak_above_static'], s['peak_above_static']):.2f} "
-                         f"(stock {s['peak_above_static'] / MIB:.0f} MiB, {s['peak_phase']})"])
-    table = Table(
-        title=f"train: longest context within {budget.describe(static_total)}, {model}, {layers} layer"
-              f"{'s' if layers != 1 else ''}",
-        columns=["model", "variant", "longest context (tokens)", "x stock", "peak above static (MiB)", "peak phase",
-                 "probes (tokens: fits)"],
-        rows=rows, command=_command(args, full) + f" --train-context-models {model}", keys=2,
-        baseline="stock+hf_gc: Transformers' own loss with TrainingArguments(gradient_checkpointing=True)",
-        notes=[
-            "library: enable_hidden_state_loss + apply_policy('full'); one row of one document per step, 2 steps "
-            "(the first a warm-up), each probe its own process; a probe that exceeds the budget, fails or times out "
-            "does not fit",
-            f"search: doubling from {start}, then bisection on multiples of 256 until the bounds are within a "
-            f"quarter of the fit; limit {args.train_context_limit} tokens (measured, never extrapolated)",
-        ],
-    )
-    data = {"budget": args.train_budget, "searches": {n: {"longest": s.longest, "probes": s.probes,
-                                                          "at_limit": s.at_limit} for n, s in searches.items()},
-            "probes": {f"{n}/{t}": r for (n, t), r in probes.items()}}
-    return table, data
+    compared = comparison_table(model, results, agreement, _command(args, full))
+    return [t for t in (table, compared, curves) if t is not None], results
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
@@ -295,6 +248,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
     if args.train_context == "on":
         data["context"] = {}
         for model in args.train_context_models:
-            t, data["context"][model] = _context_table(args, model, full, tick)
+            layers = _layers(args, model, full)
+            t, data["context"][model] = longest_context_table(
+                args, model, layers, lambda v, d, m=model, n=layers: _spec(args, m, n, v, d),
+                _command(args, full) + f" --train-context-models {model}", tick)
             tables.append(t)
     return Section(name="train", tables=tables, data=data)

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import random
 import statistics
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -80,9 +80,19 @@ def step_documents(steps: int, docs_per_step: int, max_len: int, vocab: int, see
     return [docs[s * docs_per_step:(s + 1) * docs_per_step] for s in range(steps)]
 
 
-def context_documents(steps: int, length: int, vocab: int, seed: int = 0) -> list[list[list[int]]]:
-    """One document of exactly ``length`` tokens per step (the longest-context probes)."""
-    return [[document(length, vocab, seed * 1_000_003 + s)] for s in range(steps)]
+def context_documents(steps: int, length: int, vocab: int, seed: int = 0,
+                      warmup: Optional[int] = None) -> list[list[list[int]]]:
+    """One document of exactly ``length`` tokens per step (the longest-context probes).
+
+    ``warmup``: the first step's document has that many tokens instead (a cheap warm-up step that
+    creates the optimizer state and whatever a first call keeps, before the measured steps).
+    """
+    if length <= 1 or (warmup is not None and warmup <= 1):
+        raise ValueError(f"a context document needs at least 2 tokens, got length={length}, warmup={warmup}")
+    lengths = [length] * steps
+    if warmup is not None and steps > 0:
+        lengths[0] = warmup
+    return [[document(n, vocab, seed * 1_000_003 + s)] for s, n in enumerate(lengths)]
 
 
 def padded_batch(docs: list[list[int]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ import torch
 from tests.support.rss_peak import reset_peak_rss, rss_bytes
 
 PHASES = ("forward", "backward", "optimizer")
+MIB = 2**20
 
 
 class PhaseMeter:
@@ -93,11 +94,12 @@ class PhaseMeter:
                                            "reserved": reserved}
         self._phase = None
 
-    def step_end(self, loss: float, real_tokens: int, scored_tokens: int, grad_bytes: int) -> None:
+    def step_end(self, loss: float, real_tokens: int, scored_tokens: int, grad_bytes: int, slots: int = 0) -> None:
+        """A step ends: its loss, real (non-padding) and scored tokens, gradient bytes and row slots."""
         self._sync()
         step = self.steps[-1]
         step.update(seconds=time.perf_counter() - self._step_t0, loss=loss, real_tokens=real_tokens,
-                    scored_tokens=scored_tokens, grad_bytes=grad_bytes)
+                    scored_tokens=scored_tokens, grad_bytes=grad_bytes, slots=slots)
 
 
 def summarize(steps: list[dict[str, Any]], static: dict[str, int]) -> dict[str, Any]:
@@ -131,5 +133,28 @@ def summarize(steps: list[dict[str, Any]], static: dict[str, int]) -> dict[str, 
         "tokens_per_s": tokens / seconds if seconds > 0 else None,
         "step_seconds": seconds / len(measured) if measured else None,
         "real_tokens": [s["real_tokens"] for s in steps],
-        "slots": None,
+        "scored_tokens": [s["scored_tokens"] for s in steps],
+        "slots": [s.get("slots", 0) for s in steps],
     }
+
+
+def phase_peaks(result: dict[str, Any]) -> str:
+    """``"fwd / bwd / opt"`` peaks above the step's start, MiB, of a run's :func:`summarize` figures."""
+    ph = result.get("phases") or {}
+    return " / ".join(f"{ph[p]['peak'] / MIB:.0f}" if p in ph else "-" for p in PHASES)
+
+
+def what_holds(result: dict[str, Any]) -> str:
+    """What holds a run's step peak, in words, from its phase figures (:func:`summarize` plus ``static``)."""
+    phase = result.get("peak_phase")
+    if phase is None:
+        return "-"
+    grads = result["static"]["grads"] / MIB
+    peak = result["phases"][phase]["peak"] / MIB
+    kept = (result.get("kept_after_forward") or 0) / MIB
+    if phase == "forward":
+        return f"forward: activations kept for backward ({kept:.0f} MiB at its end) + loss transients"
+    if phase == "backward":
+        return (f"backward: gradients ({grads:.0f} MiB) + {peak - grads:.0f} MiB of activations, their gradients "
+                f"and transients ({kept:.0f} MiB kept from forward)")
+    return f"optimizer step: gradients ({grads:.0f} MiB) + {peak - grads:.0f} MiB of AdamW/clip temporaries"

@@ -1,4 +1,5 @@
-"""One ``train`` variant: a Hugging Face ``Trainer`` run in this process, measured per step.
+"""One ``train`` variant: a Hugging Face ``Trainer`` (or TRL ``SFTTrainer``) run in this process,
+measured per step.
 
 Run as ``python -m bench.train_worker '<json spec>'`` (:func:`run_variant` in ``bench.train``
 does that, with ``bench.measure.child_env``); the last line starting with ``BENCH-RESULT ``
@@ -11,11 +12,12 @@ holds the result as JSON. The spec (see :func:`run`):
   :func:`ac_policies.apply_policy`), ``fit`` (a budget for :func:`ac_policies.fit` as a fraction
   of the peak without checkpointing, measured on the first batch; the policy it returns is
   applied), ``packing`` (:func:`model_patches.enable_packing` and ``PackingCollator`` instead of
-  padding), and ``wrong`` (for the tests: ``"lr"`` trains at 10x the learning rate,
-  ``"drop_token"`` stops scoring one token per step);
+  padding), ``trainer`` (``"hf"``: ``transformers.Trainer``; ``"sft"``: ``trl.SFTTrainer``, built
+  by :mod:`bench.train_sft`), and ``wrong`` (for the tests: ``"lr"`` trains at 10x the learning
+  rate, ``"drop_token"`` stops scoring one token per step);
 - ``data``: ``steps``, and either ``docs_per_step`` + ``row_len`` (documents drawn from
   :data:`bench.train_data.DISTRIBUTION`) or ``context`` (one document of that many tokens per
-  step, one row);
+  step, one row; ``warmup``: the first step's document has that many tokens instead);
 - ``lr``.
 
 The run: the model is built with a fixed seed (same initial weights in every variant), the
@@ -23,7 +25,8 @@ variant applied, ``Trainer`` with its default optimizer (``adamw_torch_fused``: 
 AdamW, which has a CPU kernel in torch >= 2.4), constant learning rate, weight decay 0, gradient
 clipping at 1.0 (``Trainer``'s default), no evaluation, no saving, batches in dataset order.
 The first step is a warm-up (optimizer state, first-call compilation); memory and time come
-from the later steps, each measured above its own start (:mod:`bench.train_meter`).
+from the later steps, each measured above its own start (:mod:`bench.train_meter`; on CUDA,
+``max_memory_allocated`` / ``max_memory_reserved`` after a synchronisation at every phase edge).
 """
 
 from __future__ import annotations
@@ -56,8 +59,15 @@ class Variant:
     fit: Optional[float] = None
     packing: bool = False
     wrong: Optional[str] = None
+    #: "hf": ``transformers.Trainer``; "sft": ``trl.SFTTrainer`` (TRL's fused LM head; padding by TRL's
+    #: collator, or the library's ``PackingCollator`` with ``packing``; ``hidden_loss`` also routes TRL's
+    #: head through functional_ce with ``model_patches.enable_trl_heads()``, which the hidden-state loss needs)
+    trainer: str = "hf"
 
     def __post_init__(self) -> None:
+        if self.trainer not in ("hf", "sft"):
+            raise ValueError(f"trainer must be 'hf' (transformers.Trainer) or 'sft' (trl.SFTTrainer), got "
+                             f"{self.trainer!r}")
         if self.hf_gc and (self.policy or self.fit):
             raise ValueError("a variant takes Hugging Face gradient checkpointing or an ac_policies policy, not both")
         if self.policy and self.fit:
@@ -73,7 +83,7 @@ class Variant:
 
 def _batches(data: dict[str, Any], vocab: int, seed: int, packing: bool) -> list[dict[str, torch.Tensor]]:
     if "context" in data:
-        groups = context_documents(data["steps"], int(data["context"]), vocab, seed)
+        groups = context_documents(data["steps"], int(data["context"]), vocab, seed, warmup=data.get("warmup"))
         return [padded_batch(g) for g in groups]  # one full row: nothing to pack
     groups = step_documents(data["steps"], data["docs_per_step"], data["row_len"], vocab, seed)
     return [packed_batch(g, data["row_len"]) if packing else padded_batch(g) for g in groups]
@@ -92,6 +102,9 @@ def _apply_variant(model: torch.nn.Module, variant: Variant, first: dict[str, to
     import model_patches
 
     out: dict[str, Any] = {"handles": [], "policy_rows": None}
+    if variant.hidden_loss and variant.trainer == "sft":
+        # TRL's fused head computes SFTTrainer's loss; the hidden-state loss refuses it unless it is routed
+        out["handles"].append(model_patches.enable_trl_heads())
     if variant.packing:
         out["handles"].append(model_patches.enable_packing(model=model))
     if variant.fit is not None:
@@ -115,11 +128,12 @@ def _static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> d
     return {"params": p_bytes, "grads": p_bytes, "optimizer": state}
 
 
-def _trainer_classes(meter: PhaseMeter) -> tuple[type, type]:
+def _trainer_classes(meter: PhaseMeter, base: type) -> tuple[type, type]:
+    """A subclass of ``base`` (``Trainer`` or ``trl.SFTTrainer``) measured by ``meter``, and its callback."""
     from torch.utils.data import SequentialSampler
-    from transformers import Trainer, TrainerCallback
+    from transformers import TrainerCallback
 
-    class MeteredTrainer(Trainer):
+    class MeteredTrainer(base):
         """``Trainer`` with the forward phase measured around ``compute_loss`` and the batches in order."""
 
         last_loss = float("nan")
@@ -164,7 +178,8 @@ def _trainer_classes(meter: PhaseMeter) -> tuple[type, type]:
 
         def on_step_end(self, args, state, control, **kwargs):
             batch = self.trainer.last_batch
-            meter.step_end(self.trainer.last_loss, real_tokens(batch), scored_tokens(batch), self.grad_bytes)
+            meter.step_end(self.trainer.last_loss, real_tokens(batch), scored_tokens(batch), self.grad_bytes,
+                           slots=int(batch["input_ids"].numel()))
 
     return MeteredTrainer, Phases
 
@@ -184,42 +199,61 @@ class _Groups(torch.utils.data.Dataset):
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec``'s variant for ``spec['data']['steps']`` steps; the measured figures."""
-    from transformers import TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     device = spec.get("device", "cpu")
+    seed = spec.get("seed", 0)
     variant = Variant(**spec.get("variant", {}))
-    model = build_model(spec["model"], spec["layers"], spec.get("overrides"), seed=spec.get("seed", 0))
+    model = build_model(spec["model"], spec["layers"], spec.get("overrides"), seed=seed)
     vocab = model.config.vocab_size
     data = spec["data"]
-    batches = _batches(data, vocab, spec.get("seed", 0), packing=False)  # packed below, after enable_packing
+    batches = _batches(data, vocab, seed, packing=False)  # packed below, after enable_packing
     applied = _apply_variant(model, variant, batches[0])
     if variant.packing:
-        batches = _batches(data, vocab, spec.get("seed", 0), packing=True)
+        batches = _batches(data, vocab, seed, packing=True)
     if variant.wrong == "drop_token":
         batches = [_drop_one_token(b) for b in batches]
     meter = PhaseMeter(device)
-    MeteredTrainer, Phases = _trainer_classes(meter)
     lr = float(spec.get("lr", 1e-4)) * (10.0 if variant.wrong == "lr" else 1.0)
     with tempfile.TemporaryDirectory() as out_dir:
-        args = TrainingArguments(
-            output_dir=out_dir, per_device_train_batch_size=1, max_steps=len(batches), learning_rate=lr,
-            lr_scheduler_type="constant", weight_decay=0.0, seed=spec.get("seed", 0), report_to=[],
-            save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
-            remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not device.startswith("cuda"),
-            gradient_checkpointing=variant.hf_gc, bf16=spec.get("dtype") == "bf16",
-        )
-        phases = Phases()
-        trainer = MeteredTrainer(model=model, args=args, train_dataset=_Groups(batches),
-                                 data_collator=lambda items: items[0], callbacks=[phases])
+        if variant.trainer == "sft":
+            import trl
+
+            from .train_sft import sft_trainer
+
+            if "context" in data:
+                raise ValueError("the context probes run under transformers.Trainer only")
+            MeteredTrainer, Phases = _trainer_classes(meter, trl.SFTTrainer)
+            phases = Phases()
+            groups = step_documents(data["steps"], data["docs_per_step"], data["row_len"], vocab, seed)
+            trainer = sft_trainer(MeteredTrainer, model, variant, groups, row_len=data["row_len"], lr=lr, seed=seed,
+                                  device=device, dtype=spec.get("dtype", "fp32"), out_dir=out_dir, callbacks=[phases])
+        else:
+            MeteredTrainer, Phases = _trainer_classes(meter, Trainer)
+            phases = Phases()
+            args = TrainingArguments(
+                output_dir=out_dir, per_device_train_batch_size=1, max_steps=len(batches), learning_rate=lr,
+                lr_scheduler_type="constant", weight_decay=0.0, seed=seed, report_to=[],
+                save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True,
+                remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not device.startswith("cuda"),
+                gradient_checkpointing=variant.hf_gc, bf16=spec.get("dtype") == "bf16",
+            )
+            trainer = MeteredTrainer(model=model, args=args, train_dataset=_Groups(batches),
+                                     data_collator=lambda items: items[0], callbacks=[phases])
         phases.trainer = trainer
         trainer.train()
     summary = summarize(meter.steps, phases.static)
-    summary["slots"] = [int(b["input_ids"].numel()) for b in batches]
-    summary["scored_tokens"] = [s["scored_tokens"] for s in meter.steps]
-    return {"static": phases.static, "optimizer": args.optim.value if hasattr(args.optim, "value") else str(args.optim),
-            "policy_rows": applied["policy_rows"], **summary}
+    optim = trainer.args.optim
+    return {"static": phases.static, "optimizer": optim.value if hasattr(optim, "value") else str(optim),
+            "policy_rows": applied["policy_rows"], "device_name": _device_name(device), **summary}
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
 
 
 def main(argv: list[str]) -> int:

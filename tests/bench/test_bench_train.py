@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.train_context import Budget, longest_fitting, parse_budget
-from bench.train_data import DISTRIBUTION, LengthDistribution, padded_batch, real_tokens, scored_tokens, step_documents
+from bench.train_data import (DISTRIBUTION, LengthDistribution, context_documents, padded_batch, real_tokens,
+                              scored_tokens, step_documents)
 from bench.train_variants import loss_agreement
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
@@ -100,6 +101,14 @@ def test_padded_and_packed_layouts_score_the_same_tokens():
         assert padded["input_ids"].shape == (5, max(map(len, docs)))
 
 
+def test_context_documents_warm_up_on_a_short_first_step():
+    steps = context_documents(3, 500, vocab=1000, seed=2, warmup=64)
+    assert [len(g[0]) for g in steps] == [64, 500, 500] and all(len(g) == 1 for g in steps)
+    assert [len(g[0]) for g in context_documents(2, 100, vocab=1000)] == [100, 100]
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        context_documents(2, 100, vocab=1000, warmup=1)
+
+
 def test_loss_agreement_flags_a_curve_off_by_more_than_round_off():
     ref = [12.0, 11.5, 11.0]
     assert loss_agreement(ref, [12.0, 11.5 + 1e-6, 11.0], 1e-4) == (pytest.approx(1e-6), True)
@@ -107,6 +116,107 @@ def test_loss_agreement_flags_a_curve_off_by_more_than_round_off():
     assert not ok and diff == pytest.approx(0.1)
     with pytest.raises(ValueError, match="different lengths"):
         loss_agreement(ref, ref[:2], 1e-4)
+
+
+# ---- judging and reporting, on synthetic run figures ----------------------------------------
+
+MIB = 2**20
+
+
+def _fake_run(tokens_per_s: float, peak_mib: float, phase: str = "backward") -> dict:
+    static = {"params": 100 * MIB, "grads": 100 * MIB, "optimizer": 200 * MIB}
+    phases = {p: {"peak": (peak_mib + 100) * MIB if p == phase else 50 * MIB, "held": 0, "reserved": None,
+                  "seconds": 1.0} for p in ("forward", "backward", "optimizer")}
+    return {"tokens_per_s": tokens_per_s, "peak_above_static": peak_mib * MIB, "peak_phase": phase,
+            "phases": phases, "static": static, "kept_after_forward": 10 * MIB, "losses": [1.0, 0.9]}
+
+
+def test_each_variant_is_compared_with_stock_of_the_same_checkpointing_and_trainer():
+    from bench.train_variants import VARIANTS, loss_reference, same_checkpointing
+
+    every = list(VARIANTS)
+    assert same_checkpointing("hidden_loss", every) == "stock"
+    assert same_checkpointing("hidden_loss+hf_gc", every) == "stock+hf_gc"
+    assert same_checkpointing("all", every) == "stock+hf_gc"
+    assert same_checkpointing("sft:hidden_loss", every) == "sft"
+    assert same_checkpointing("sft:all", every) == "sft+hf_gc"
+    assert same_checkpointing("sft:all", ["stock+hf_gc", "sft:all"]) is None  # never across trainers
+    assert loss_reference(["all", "sft", "stock+hf_gc"]) == "stock+hf_gc"
+    assert loss_reference(["sft:all", "sft+hf_gc"]) == "sft+hf_gc"
+
+
+def test_variants_leave_out_sft_trainer_without_trl(monkeypatch, caplog):
+    import bench.train_variants as tv
+
+    monkeypatch.setattr(tv, "trl_available", lambda: False)
+    assert tv.variants_for(["stock", "sft", "sft:all", "ac:non_moe"], "dense") == ["stock"]
+    assert "SFTTrainer variants sft, sft:all are left out" in caplog.text
+    monkeypatch.setattr(tv, "trl_available", lambda: True)
+    assert tv.variants_for(["stock", "sft", "ac:non_moe"], "moe") == ["stock", "sft", "ac:non_moe"]
+    with pytest.raises(ValueError, match="unknown train variant 'nope'"):
+        tv.variants_for(["nope"], "dense")
+
+
+def test_comparison_table_pairs_one_change_and_judges_the_targets():
+    from bench.train_compare import comparison_table
+
+    results = {"stock": _fake_run(100, 1000), "hidden_loss": _fake_run(120, 400), "packing": _fake_run(125, 900),
+               "stock+hf_gc": _fake_run(80, 800), "all": {"error": "killed"}}
+    agree = {"stock": True, "hidden_loss": True, "packing": False, "stock+hf_gc": True}
+    table = comparison_table("m", results, agree, "cmd")
+    rows = {r[0]: r for r in table.rows}
+    col = {c: i for i, c in enumerate(table.columns)}
+    assert set(rows) == {"hidden-state loss", "packing, Transformers' loss"}  # pairs where one side is missing: none
+    hidden = rows["hidden-state loss"]
+    assert hidden[col["x (tokens/s)"]] == pytest.approx(1.2)
+    assert hidden[col["x (peak above static)"]] == pytest.approx(0.4)
+    assert hidden[col["target (tokens/s)"]].startswith("met (1.20x")
+    packing = rows["packing, Transformers' loss"]
+    assert packing[col["target (tokens/s)"]].startswith("NOT met (1.25x; target >= 1.3x")
+    assert packing[col["losses agree (both)"]] == "NO"
+    assert comparison_table("m", {"stock": _fake_run(1, 1)}, {}, "cmd") is None
+
+
+def test_what_holds_the_peak_names_the_phase_and_its_parts():
+    from bench.train_meter import phase_peaks, what_holds
+
+    r = _fake_run(1.0, 600, "backward")
+    assert phase_peaks(r) == "50 / 700 / 50"
+    assert what_holds(r).startswith("backward: gradients (100 MiB) + 600 MiB")
+    assert what_holds(_fake_run(1.0, 600, "optimizer")).startswith("optimizer step")
+    assert what_holds({}) == "-" and phase_peaks({}) == "- / - / -"
+
+
+def test_longest_context_table_searches_both_and_compares_at_stocks_longest(monkeypatch):
+    """The context table on a fake worker: stock costs 2 MiB a token, the library 0.1 MiB, both
+    +600 MiB; a 1 GiB budget fits 212 and 4240 tokens."""
+    import bench.train_longest as tl
+
+    asked = []
+
+    def fake_run_variant(spec, timeout):
+        tokens = spec["data"]["context"]
+        assert spec["data"]["steps"] == 2 and spec["data"]["warmup"] == min(tl.WARMUP_TOKENS, tokens)
+        library = spec["variant"]["hidden_loss"]
+        asked.append(("library" if library else "stock", tokens))
+        return _fake_run(10.0, 600 + tokens * (0.1 if library else 2.0))
+
+    monkeypatch.setattr(tl, "run_variant", fake_run_variant)
+    args = argparse.Namespace(train_budget="+1GiB", train_context_limit=8192, train_timeout=60.0)
+    table, data = tl.longest_context_table(args, "m", 1, lambda v, d: {"variant": vars(v), "data": d}, "cmd",
+                                           tick=lambda msg: None)
+    stock, library = data["searches"]["stock+hf_gc"], data["searches"]["library"]
+    assert 212 - 64 <= stock["longest"] <= 212 and 4240 * 0.75 <= library["longest"] <= 4240
+    assert not library["at_limit"]
+    assert data["context_ratio"] == pytest.approx(library["longest"] / stock["longest"])
+    # at stock's longest: (600 + 0.1 n) / (600 + 2 n)
+    n = stock["longest"]
+    assert data["peak_ratio_at_stock_longest"] == pytest.approx((600 + 0.1 * n) / (600 + 2 * n))
+    assert [r[1] for r in table.rows] == ["stock+hf_gc", "library", f"stock+hf_gc at stock's longest ({n})",
+                                          f"library at stock's longest ({n})"]
+    assert any(note.startswith("target: the library's longest context >= 4x stock's: met") for note in table.notes)
+    assert any("<= 0.5x stock's: NOT met" in note for note in table.notes)
+    assert len(asked) == len(set(asked))  # every probe measured once
 
 
 # ---- whole runs at tiny widths (each variant a process of ~10 s) -----------------------------
@@ -128,6 +238,22 @@ def test_loss_check_fails_on_a_deliberately_wrong_variant():
         assert "error" not in bad, bad
         diff, ok = loss_agreement(stock["losses"], bad["losses"], 1e-4)
         assert not ok, (wrong, diff)
+
+
+@pytest.mark.slow  # four training processes, about a minute on 2 cores
+def test_sft_trainer_variants_train_to_the_trainer_losses():
+    """SFTTrainer with TRL's padding, with PackingCollator, and with everything on: the same
+    documents per step and the same losses as transformers.Trainer's stock run."""
+    pytest.importorskip("trl")
+    from bench.train_variants import run_variant
+
+    stock = run_variant(_spec({}), timeout=600)
+    for variant in ({"trainer": "sft"}, {"trainer": "sft", "packing": True},
+                    {"trainer": "sft", "packing": True, "hidden_loss": True, "policy": "full"}):
+        r = run_variant(_spec(variant), timeout=600)
+        assert "error" not in r, (variant, r)
+        assert r["real_tokens"] == stock["real_tokens"] and r["scored_tokens"] == stock["scored_tokens"], variant
+        assert loss_agreement(stock["losses"], r["losses"], 1e-4)[1], (variant, stock["losses"], r["losses"])
 
 
 @pytest.mark.slow  # about ten training processes at tiny widths: a couple of minutes on 2 cores
