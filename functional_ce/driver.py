@@ -39,6 +39,7 @@ import inspect
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .chunk import LOSSES, backward_into, forward_into, linear_backward_chunk, linear_fused_chunk, run_chunk
 from .inputs import Tokens
@@ -351,8 +352,6 @@ _HEAD = ("hidden", "weight", "bias", "hidden2", "weight2", "bias2")
 def _unit_scale(grad_loss: torch.Tensor) -> bool:
     """Whether the loss's incoming gradient is exactly 1 and reading it costs nothing: a CPU scalar
     outside tracing and functorch transforms (on an accelerator the read would wait for the device)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if grad_loss.device.type != "cpu" or grad_loss.numel() != 1 or torch.compiler.is_compiling():
         return False
     if torch._C._are_functorch_transforms_active() or is_fake(grad_loss):
