@@ -24,8 +24,9 @@ with Hugging Face checkpointing, the hidden-state loss alone with the same check
 everything on), under a minute on 2 cores; packing alone and the SFTTrainer rows are left to
 ``--full`` (two documents per step in rows of 128 pack into about as many slots as padding, so a
 packing ratio there says nothing), and so is the context search (``--train-context on``: about 8
-minutes). ``--full`` or ``--train-full``: the four models, every variant (SFTTrainer ones on
-``--train-sft-models``), 6 steps of 4 documents in rows of 256, and the context search.
+minutes). ``--full`` or ``--train-full``: the four models, 5 steps of 4 documents in rows of 256, and
+the context search; every variant (SFTTrainer ones on ``--train-sft-models``) on the models of
+``--train-every-variant-on`` (Qwen3-0.6B), :data:`CORE_VARIANTS` on the others (about an hour here).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ QUICK_VARIANTS = ["stock+hf_gc", "hidden_loss+hf_gc", "all"]
 QUICK_STEPS = 3
 #: Models the trl.SFTTrainer variants run on by default (each SFTTrainer run costs what a Trainer run does).
 SFT_MODELS = ["qwen3-0.6b"]
+#: Models that run every variant in --full; the others run :data:`CORE_VARIANTS` (every variant on every
+#: model is about two hours on 2 cores: ``--train-every-variant-on`` names more).
+EVERY_VARIANT_MODELS = ["qwen3-0.6b"]
+#: What the other models run in --full: stock and the hidden-state loss with the same checkpointing,
+#: everything on, and on a MoE model the ``non_moe`` preset.
+CORE_VARIANTS = ["stock+hf_gc", "hidden_loss+hf_gc", "ac:non_moe", "all"]
+FULL_STEPS = 5
 #: Decoder layers in the --full run: as many as this 24 GB, 2-core host runs in reasonable time.
 FULL_LAYERS = {"qwen3-0.6b": 2, "mistral-7b": 1, "llama3.1-8b": 1, "qwen3-30b-a3b": 2, "gemma2-2b": 1}
 
@@ -65,9 +73,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "the sft ones need TRL)")
     group.add_argument("--train-sft-models", nargs="+", metavar="MODEL",
                        help=f"models the SFTTrainer variants run on (default {' '.join(SFT_MODELS)})")
+    group.add_argument("--train-every-variant-on", nargs="+", metavar="MODEL",
+                       help=f"--full: models that run every variant (default {' '.join(EVERY_VARIANT_MODELS)}); "
+                            f"the others run {' '.join(CORE_VARIANTS)} (the MoE preset on MoE models only)")
     group.add_argument("--train-layers", type=int, help="decoder layers of every model (default 1; --full: per model)")
     group.add_argument("--train-steps", type=int,
-                       help=f"optimizer steps, the first a warm-up (default {QUICK_STEPS}; --full 6)")
+                       help=f"optimizer steps, the first a warm-up (default {QUICK_STEPS}; --full {FULL_STEPS})")
     group.add_argument("--train-docs", type=int, help="documents per step (default 2; --full 4)")
     group.add_argument("--train-row", type=int, help="tokens per packed row, longest document (default 128; --full 256)")
     group.add_argument("--train-lr", type=float, default=1e-4, help="learning rate (constant; default 1e-4)")
@@ -92,7 +103,9 @@ def resolved(args: argparse.Namespace) -> argparse.Namespace:
     return override(
         a, train_models=pick(a, g("train_models"), QUICK_MODELS, FULL_MODELS),
         train_variants=pick(a, g("train_variants"), QUICK_VARIANTS, list(VARIANTS)),
-        train_steps=pick(a, g("train_steps"), QUICK_STEPS, 6), train_sft_models=g("train_sft_models") or SFT_MODELS, train_docs=pick(a, g("train_docs"), 2, 4),
+        train_steps=pick(a, g("train_steps"), QUICK_STEPS, FULL_STEPS),
+        train_every_variant_on=g("train_every_variant_on") or EVERY_VARIANT_MODELS,
+        train_variants_given=bool(g("train_variants")), train_full_run=full, train_sft_models=g("train_sft_models") or SFT_MODELS, train_docs=pick(a, g("train_docs"), 2, 4),
         train_row=pick(a, g("train_row"), 128, 256), train_context=pick(a, g("train_context"), "off", "on"),
         train_context_models=g("train_context_models") or ["qwen3-0.6b"],
         train_context_limit=g("train_context_limit") or DEFAULT_LIMIT, train_lr=g("train_lr") or 1e-4,
@@ -120,8 +133,12 @@ def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
 
 
 def _variant_names(args: argparse.Namespace, model: str) -> list[str]:
-    """The variants that run on ``model``: those that apply to its kind, SFTTrainer ones on ``--train-sft-models``."""
-    return [n for n in variants_for(args.train_variants, model_entry(model).kind)
+    """The variants that run on ``model``: those that apply to its kind, SFTTrainer ones on ``--train-sft-models``;
+    in --full without ``--train-variants``, :data:`CORE_VARIANTS` on models not in ``--train-every-variant-on``."""
+    names = args.train_variants
+    if args.train_full_run and not args.train_variants_given and model not in args.train_every_variant_on:
+        names = [n for n in names if n in CORE_VARIANTS]
+    return [n for n in variants_for(names, model_entry(model).kind)
             if VARIANTS[n].trainer == "hf" or model in args.train_sft_models]
 
 
