@@ -23,7 +23,7 @@ from .chunk import chunk_backward, chunk_forward
 from .distributed.pipeline import hidden_state_loss_fn, pipeline_loss_fn
 from .loss import cross_entropy, linear_cross_entropy
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
-from .spec import ChunkOptions, LossSpec
+from .spec import LossSpec
 from .token_losses import distillation_loss, linear_distillation_loss, linear_token_logprobs, token_logprobs
 
 __all__ = [
@@ -42,3 +42,11 @@ __all__ = [
     "pipeline_loss_fn",
     "token_logprobs",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ChunkOptions":  # deprecated alias of LossSpec; spec's __getattr__ warns
+        from . import spec
+
+        return spec.ChunkOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
