@@ -88,7 +88,7 @@ def causal_lm_loss(
 
     Raises:
         ValueError: a model whose structure does not fit (see the module docstring), or a batch
-        without ``labels``/``shift_labels``.
+            without ``labels``/``shift_labels``.
     """
     head, decoder = head_and_decoder(model)
     labels = batch.get("labels")
@@ -236,8 +236,8 @@ def enable_hidden_state_loss(
 
     Raises:
         ValueError: a model :func:`causal_lm_loss` cannot run (named with the reason), one whose
-        config asks for router auxiliary losses, one already patched, or one whose loss a
-        trainer's fused head computes.
+            config asks for router auxiliary losses, one already patched, or one whose loss a
+            trainer's fused head computes.
     """
     head_and_decoder(model, "enable_hidden_state_loss")
     if getattr(model.config, "output_router_logits", False):

@@ -117,7 +117,7 @@ def causal_lm_token_logprobs(
 
     Raises:
         ValueError: a model whose head cannot be reproduced (see ``causal_lm_loss``), or a batch
-        without ``labels``/``shift_labels``.
+            without ``labels``/``shift_labels``.
     """
     who = "causal_lm_token_logprobs"
     head, decoder = head_and_decoder(model, who)
@@ -203,7 +203,7 @@ def causal_lm_distillation_loss(
 
     Raises:
         ValueError: a model whose head cannot be reproduced, vocabulary sizes that differ, or
-        teacher rows whose shape differs from the student's.
+            teacher rows whose shape differs from the student's.
     """
     who = "causal_lm_distillation_loss"
     s_head, s_decoder = head_and_decoder(student, who)
