@@ -115,8 +115,9 @@ def _hf_flagged(modules: list[tuple[str, nn.Module]], training: bool = True) -> 
 
 def trainer_checkpointing_argument() -> str:
     """The training argument that keeps ``Trainer.train()`` (and TRL's trainers) from turning
-    Hugging Face checkpointing on: ``activation_checkpointing`` where the installed Transformers
-    has it (5.x), else ``gradient_checkpointing``."""
+    Hugging Face checkpointing on: ``activation_checkpointing`` where the installed Transformers'
+    ``TrainingArguments`` has it (5.25 among the tested releases; not 5.22 or 4.57), else
+    ``gradient_checkpointing``."""
     import transformers
 
     fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
@@ -132,8 +133,8 @@ def double_checkpointing_error(fqn: str, module: nn.Module) -> ValueError:
         "recomputed twice. Use one. Under transformers.Trainer or TRL's trainers, train() turns Hugging Face's "
         f"checkpointing on from the training arguments: pass {argument}=False in TrainingArguments / SFTConfig "
         "(TRL's configs default gradient_checkpointing to True; calling model.gradient_checkpointing_disable() "
-        "before train() is undone by train()). Outside a trainer: model.gradient_checkpointing_disable() "
-        "(activation_checkpointing_disable() on Transformers 5.x). Or remove the policy with handle.remove()."
+        f"before train() is undone by train()). Outside a trainer: model.{argument}_disable(). "
+        "Or remove the policy with handle.remove()."
     )
 
 

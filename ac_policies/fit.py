@@ -290,8 +290,8 @@ def fit(
 
     Raises:
         ValueError: a budget that is not a positive size or a fraction in (0, 1]; an unknown
-        action; a model in eval mode, with a policy applied, or without decoder blocks; a
-        budget below the smallest peak the choices reach (the message names that peak).
+            action; a model in eval mode, with a policy applied, or without decoder blocks; a
+            budget below the smallest peak the choices reach (the message names that peak).
     """
     wrapping = _check_actions(actions)
     if not model.training:

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ac_policies
 from ac_policies.measure import _accelerator, _Live, flop_counter, step_cost
 
+from .ac_model import build, model_config
 from .modes import override, pick
 from .report import Table, ratio
 
@@ -321,8 +322,6 @@ def _gflop(n: Optional[int]) -> str:
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Table], dict[str, Any]]:
     """The budget tables (none with ``--ac-budgets off``) and their figures for ``--json``."""
-    from .ac import build, model_config
-
     args = resolved(args)
     if args.ac_budgets == "off":
         return [], {}

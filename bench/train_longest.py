@@ -24,7 +24,7 @@ from .report import Table, ratio
 from .train_context import Budget, Search, longest_fitting, parse_budget
 from .train_meter import MIB, phase_peaks, what_holds
 from .train_variants import run_variant
-from .train_worker import Variant
+from .train_variant import Variant
 
 #: The pair the search compares: stock with Hugging Face checkpointing, and the library.
 CONTEXT_PAIR = {"stock+hf_gc": Variant(hf_gc=True), "library": Variant(hidden_loss=True, policy="full")}

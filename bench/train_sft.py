@@ -25,7 +25,7 @@ import dataclasses
 import importlib.util
 from typing import Any
 
-from .train_worker import Variant
+from .train_variant import Variant
 
 VARIANTS: dict[str, Variant] = {
     "sft": Variant(trainer="sft"),

@@ -25,7 +25,8 @@ from .measure import child_env
 from .train_sft import DESCRIPTIONS as SFT_DESCRIPTIONS
 from .train_sft import VARIANTS as SFT_VARIANTS
 from .train_sft import trl_available
-from .train_worker import MARK, Variant
+from .train_variant import Variant
+from .train_worker import MARK
 
 logger = logging.getLogger(__name__)
 

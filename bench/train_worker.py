@@ -31,54 +31,22 @@ from the later steps, each measured above its own start (:mod:`bench.train_meter
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import sys
 import tempfile
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .train_data import context_documents, packed_batch, padded_batch, real_tokens, scored_tokens, step_documents
 from .train_meter import PhaseMeter, summarize
 from .train_models import build_model
+from .train_variant import Variant
 
 MARK = "BENCH-RESULT "
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """What a variant changes against stock (see the module docstring)."""
-
-    hf_gc: bool = False
-    hidden_loss: bool = False
-    policy: Optional[str] = None
-    fit: Optional[float] = None
-    packing: bool = False
-    wrong: Optional[str] = None
-    #: "hf": ``transformers.Trainer``; "sft": ``trl.SFTTrainer`` (TRL's fused LM head; padding by TRL's
-    #: collator, or the library's ``PackingCollator`` with ``packing``; ``hidden_loss`` also routes TRL's
-    #: head through functional_ce with ``model_patches.enable_trl_heads()``, which the hidden-state loss needs)
-    trainer: str = "hf"
-
-    def __post_init__(self) -> None:
-        if self.trainer not in ("hf", "sft"):
-            raise ValueError(f"trainer must be 'hf' (transformers.Trainer) or 'sft' (trl.SFTTrainer), got "
-                             f"{self.trainer!r}")
-        if self.hf_gc and (self.policy or self.fit):
-            raise ValueError("a variant takes Hugging Face gradient checkpointing or an ac_policies policy, not both")
-        if self.policy and self.fit:
-            raise ValueError("a variant takes a preset policy or a fit() budget, not both")
-        if self.wrong not in (None, "lr", "drop_token"):
-            raise ValueError(f"wrong must be None, 'lr' or 'drop_token', got {self.wrong!r}")
-
-    @property
-    def checkpointing(self) -> str:
-        """The checkpointing this variant uses, as the report groups variants: none, hf or ac."""
-        return "hf" if self.hf_gc else "ac" if (self.policy or self.fit) else "none"
 
 
 def _batches(data: dict[str, Any], vocab: int, seed: int, packing: bool) -> list[dict[str, torch.Tensor]]:

@@ -18,7 +18,8 @@ For a scalar reduction from hidden states on one slice, gradients are computed i
 (``fused``: each chunk's logits exist once; backward scales the saved gradients), unless
 ``recompute_logits_in_backward``. Each step is a custom operator with a fake kernel, so a user's
 ``torch.compile(fullgraph=True)`` sees one node per step: no graph break, no recompile per chunk.
-Operators take tensors plus the spec as one string; :func:`_operator` registers them.
+Operators take tensors plus the spec as one string; :func:`functional_ce.operators.custom_operator`
+registers them, and :mod:`functional_ce.reduction` reduces the per-row losses.
 
 **Adding a per-token loss over the vocabulary**: write its chunk functions in a module of
 :mod:`functional_ce.maths` (its statistics pass by pass, the kind of each statistic column, its
@@ -35,92 +36,19 @@ it unchanged (token log-probs and distillation were added so).
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .chunk import LOSSES, backward_into, forward_into, linear_backward_chunk, linear_fused_chunk, run_chunk
 from .inputs import Tokens
+from .operators import custom_operator, refuse_double_backward
+from .reduction import reduce_rows, row_coefficients
 from .spec import LossSpec, decode
 from .weight_grad import LinearGrads, empty_grads
 
-#: Operator name -> its Python implementation (lets tests trace allocations inside the loops).
-IMPLEMENTATIONS: dict[str, Callable] = {}
-
-Backward = Callable[..., dict[str, Optional[torch.Tensor]]]
 _SixTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _operator(name: str, impl: Callable, fake: Callable, *, mutates: Sequence[str] = (),
-              backward: Optional[Backward] = None,
-              save: Union[Sequence[str], Callable[[dict], Sequence[str]]] = ()) -> Any:
-    """Register ``impl`` as the custom operator ``functional_ce::name`` with its fake kernel.
-
-    With ``backward``, autograd is registered too: ``save`` names the inputs (``impl``'s parameter
-    names) and outputs (``"out0"``, ``"out1"``...) kept for backward (tensors through
-    ``save_for_backward``, anything else as it is; or a function of the call's named inputs and
-    outputs that returns those names), which is called as
-    ``backward(saved: dict, spec, needs: dict, grad_out0)`` and returns gradients by input name;
-    inputs it leaves out get None. Only the first output is differentiable.
-    """
-    op = torch.library.custom_op(f"functional_ce::{name}", impl, mutates_args=tuple(mutates))
-    op.register_fake(fake)
-    IMPLEMENTATIONS[f"functional_ce::{name}"] = impl
-    if backward is None:
-        return op
-    params = list(inspect.signature(impl).parameters)
-
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        outputs = output if isinstance(output, tuple) else (output,)
-        named = dict(zip(params, inputs), **{f"out{i}": o for i, o in enumerate(outputs)})
-        ctx.mark_non_differentiable(*outputs[1:])
-        ctx.set_materialize_grads(False)  # no zero-filled gradients of the other outputs
-        ctx.spec = decode(named["spec"])
-        names = save(named) if callable(save) else save
-        ctx.tensor_names = [n for n in names if named[n] is None or isinstance(named[n], torch.Tensor)]
-        ctx.constants = {n: named[n] for n in names if n not in ctx.tensor_names}
-        ctx.save_for_backward(*(named[n] for n in ctx.tensor_names))
-
-    def autograd_backward(ctx: Any, grad: Optional[torch.Tensor], *unused: Any) -> tuple:
-        if grad is None:
-            return (None,) * len(params)
-        saved = dict(zip(ctx.tensor_names, ctx.saved_tensors), **ctx.constants)
-        grads = backward(saved, ctx.spec, dict(zip(params, ctx.needs_input_grad)), grad)
-        return tuple(grads.get(p) for p in params)
-
-    op.register_autograd(autograd_backward, setup_context=setup_context)
-    return op
-
-
-class _RefuseDoubleBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, what: str, n_grads: int, *tensors: torch.Tensor) -> tuple:
-        ctx.what = what
-        return tuple(t.view_as(t) for t in tensors[:n_grads])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple:
-        name, instead = ctx.what
-        raise RuntimeError(
-            f"functional_ce {name} does not support double backward (create_graph=True followed by "
-            f"another backward through its gradients); use {instead} for that"
-        )
-
-
-def _refuse_double_backward(grads: tuple, inputs: tuple, spec: LossSpec) -> tuple:
-    """``grads`` unchanged, or, under ``create_graph=True``, views of them whose backward raises
-    (the gradients are closed-form, with no graph of their own to differentiate)."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return grads
-    present = [g for g in grads if g is not None]
-    anchors = [t for t in inputs if t is not None]
-    if not present or not any(t.requires_grad for t in anchors):
-        return grads
-    what = LOSSES[spec.loss].names[0 if spec.form == "logits" else 1]
-    guarded = iter(_RefuseDoubleBackward.apply(what, len(present), *present, *anchors))
-    return tuple(None if g is None else next(guarded) for g in grads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +121,7 @@ def _stats_fake(x, weight, bias, x2, weight2, bias2, labels, prior, spec):
     return x.new_empty((x.shape[0], LOSSES[s.loss].width(s)), dtype=torch.float32)
 
 
-_stats = _operator("stats", _stats_impl, _stats_fake)
+_stats = custom_operator("stats", _stats_impl, _stats_fake)
 
 
 # --- step 3: rows, and their backward ----------------------------------------------------------
@@ -214,7 +142,7 @@ def _logits_grad_into_impl(grad_rows: torch.Tensor, logits: torch.Tensor, logits
                   grad_rows[r], row_args=(0, 1, 2, 3, 4, 5, 6))
 
 
-_logits_grad_into = _operator("logits_grad_into", _logits_grad_into_impl, lambda *args: None,
+_logits_grad_into = custom_operator("logits_grad_into", _logits_grad_into_impl, lambda *args: None,
                               mutates=("out", "out2"))
 
 
@@ -262,7 +190,7 @@ def _linear_grads_fake(g, hidden, weight, bias, hidden2, weight2, bias2, labels,
     return out + tuple(weight.new_empty(0) for _ in range(3))
 
 
-_linear_grads = _operator("linear_grads", _linear_grads_impl, _linear_grads_fake)
+_linear_grads = custom_operator("linear_grads", _linear_grads_impl, _linear_grads_fake)
 
 _INPUTS = ("x", "weight", "bias", "x2", "weight2", "bias2")
 
@@ -281,7 +209,7 @@ def _rows_backward(saved: dict, spec: LossSpec, needs: dict, grad_rows: torch.Te
                 _logits_grad_into(grad_rows.float(), x, x2, labels, kept, out, out2, spec.encode())
             elif out2 is not None:
                 out2.zero_()
-        grads = _refuse_double_backward((out if needs["x"] else None, out2), (x, x2), spec)
+        grads = refuse_double_backward((out if needs["x"] else None, out2), (x, x2), spec)
         return dict(zip(("x", "x2"), grads))
     want = [t is not None and needs[n] for n, t in zip(_INPUTS, inputs)]
     want[3:] = [w and spec.teacher_grad for w in want[3:]]
@@ -293,7 +221,7 @@ def _rows_backward(saved: dict, spec: LossSpec, needs: dict, grad_rows: torch.Te
         else:
             grads = _linear_grads(grad_rows.float(), *inputs, labels, kept, want, spec.encode())
     grads = tuple(g if w else None for g, w in zip(grads, want))
-    return dict(zip(_INPUTS, _refuse_double_backward(grads, inputs, spec)))
+    return dict(zip(_INPUTS, refuse_double_backward(grads, inputs, spec)))
 
 
 def _rows_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -312,7 +240,7 @@ def _rows_fake(x, weight, bias, x2, weight2, bias2, labels, stats, spec):
     return loss.new_empty(loss.shape), saved.new_empty(saved.shape)
 
 
-_rows = _operator("rows", _rows_impl, _rows_fake, backward=_rows_backward, save=(*_INPUTS, "labels", "out1"))
+_rows = custom_operator("rows", _rows_impl, _rows_fake, backward=_rows_backward, save=(*_INPUTS, "labels", "out1"))
 
 
 # --- gradients in forward ----------------------------------------------------------------------
@@ -373,7 +301,7 @@ def _fused_backward(saved: dict, spec: LossSpec, needs: dict, grad_loss: torch.T
             for i, name in enumerate(_HEAD)
         )
         grad_coef = mul(saved["out1"]) if needs["coef"] else None
-    grads = _refuse_double_backward(scaled, tuple(saved[n] for n in _HEAD), spec)
+    grads = refuse_double_backward(scaled, tuple(saved[n] for n in _HEAD), spec)
     return dict(zip(_HEAD, grads), coef=grad_coef)
 
 
@@ -384,49 +312,7 @@ def _fused_saves(named: dict) -> tuple[str, ...]:
     return ("out1", "out2", "out3", "out4", *(("out5", "out6", "out7") if second else ()), *_HEAD, "needs")
 
 
-_fused = _operator("fused", _fused_impl, _fused_fake, backward=_fused_backward, save=_fused_saves)
-
-
-# --- the reduction ---------------------------------------------------------------------------
-
-
-def _denominator(tokens: Tokens, spec: LossSpec) -> Union[float, torch.Tensor, None]:
-    """What the weighted sum is divided by: None for a plain sum."""
-    if tokens.num_label_tokens is not None:
-        return tokens.num_label_tokens
-    if spec.reduction == "mean":
-        return (tokens.labels != spec.ignore_index).sum()
-    return None
-
-
-def _divide(x: torch.Tensor, count: Union[float, torch.Tensor, None]) -> torch.Tensor:
-    """``x / count``, 0 where the count is 0."""
-    if count is None:
-        return x
-    if isinstance(count, torch.Tensor):
-        n = count.reshape(()).to(device=x.device, dtype=torch.float32)
-        return torch.where(n > 0, x / torch.where(n > 0, n, 1.0), 0.0)
-    return x / float(count) if count > 0 else x * 0.0
-
-
-def row_coefficients(tokens: Tokens, spec: LossSpec) -> torch.Tensor:
-    """``[N]`` fp32: each row's factor in the scalar loss (weight over denominator, 0 if ignored),
-    so that the reduction equals ``sum(coef * loss_rows)``."""
-    valid = (tokens.labels != spec.ignore_index).float()
-    if tokens.weights is not None:
-        valid = valid * tokens.weights.reshape(-1).float()
-    return _divide(valid, _denominator(tokens, spec))
-
-
-def reduce_rows(loss_rows: torch.Tensor, tokens: Tokens, spec: LossSpec) -> torch.Tensor:
-    """Weights, then the reduction, of fp32 per-row losses ``[N]`` (0 on ignored rows): ``"mean"``
-    divides the weighted sum by ``num_label_tokens`` when given, else by the number of valid
-    tokens; ``"sum"`` by ``num_label_tokens`` when given. A count of 0 gives 0."""
-    if tokens.weights is not None:
-        loss_rows = loss_rows * tokens.weights.reshape(-1).float()
-    if spec.reduction == "none":
-        return loss_rows.reshape((*tokens.batch_shape, *loss_rows.shape[1:]))
-    return _divide(loss_rows.sum(), _denominator(tokens, spec))
+_fused = custom_operator("fused", _fused_impl, _fused_fake, backward=_fused_backward, save=_fused_saves)
 
 
 # --- the entry point ---------------------------------------------------------------------------

@@ -86,9 +86,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Any) ->
 
     Raises:
         TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range, or an
-        unknown keyword. Labels outside ``[0, V)`` are checked in eager mode only; under
-        torch.compile they are not checked and give an indexing error (CPU) or a device-side
-        assert (CUDA).
+            unknown keyword. Labels outside ``[0, V)`` are checked in eager mode only; under
+            torch.compile they are not checked and give an indexing error (CPU) or a device-side
+            assert (CUDA).
     """
     logits = check_float("logits", logits)
     if logits.dim() < 1:
@@ -183,8 +183,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         weight: ``[V, H]`` of ``hidden``'s dtype and device (an ``lm_head.weight``).
         labels: ``[...]`` int64 or int32 class ids in ``[0, V)``, or ``ignore_index``.
         bias: ``[V]`` or None.
-        ignore_index, mask, weights, reduction, num_label_tokens, label_smoothing, z_loss, softcap,
-            compile_chunks: as in :func:`functional_ce.cross_entropy`.
+        **options: ``ignore_index``, ``mask``, ``weights``, ``reduction``, ``num_label_tokens``,
+            ``label_smoothing``, ``z_loss``, ``softcap``, ``compile_chunks``: as in
+            :func:`functional_ce.cross_entropy`; ``chunk_size`` and ``recompute_logits_in_backward``
+            below.
         chunk_size: token rows per chunk. ``"auto"`` takes ``LINEAR_AUTO_CHUNK_ROWS`` rows (where
             the matmuls reach full rate), fewer where one fp32 ``[c, V]`` chunk would pass
             ``LINEAR_AUTO_CHUNK_BYTES`` (on CUDA: the ``*_CUDA`` values, see
@@ -221,8 +223,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     Raises:
         TypeError / ValueError: for inputs of the wrong type, shape, dtype, device or range, or an
-        unknown keyword (labels outside ``[0, V)`` are checked in eager mode only, as in
-        ``cross_entropy``).
+            unknown keyword (labels outside ``[0, V)`` are checked in eager mode only, as in
+            ``cross_entropy``).
     """
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear_inputs(hidden, weight, bias)

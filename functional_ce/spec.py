@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import numbers
+import warnings
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -220,8 +221,13 @@ _SPEC_KEYWORDS = {
     for loss in LOSS_NAMES for form in FORMS
 }
 
-#: Kept for one release: the per-chunk options are fields of :class:`LossSpec` now.
-ChunkOptions = LossSpec
+
+def __getattr__(name: str) -> Any:
+    if name == "ChunkOptions":  # kept for one release: the per-chunk options are fields of LossSpec now
+        warnings.warn("functional_ce.ChunkOptions is deprecated and will be removed in the next minor release; "
+                      "use functional_ce.LossSpec", DeprecationWarning, stacklevel=2)
+        return LossSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,7 +89,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
 
     Raises:
         TypeError / ValueError: bad types, shapes, a temperature that is not finite and > 0, labels
-        out of range (checked in eager mode only), or an unknown keyword.
+            out of range (checked in eager mode only), or an unknown keyword.
     """
     logits = _check_logits("logits", logits)
     if is_dtensor(logits):
@@ -116,9 +116,10 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     Args:
         hidden: ``[..., H]`` float32, bfloat16 or float16; weight ``[V, H]`` and bias ``[V]`` or
             None of its dtype and device. Under ``torch.autocast`` all three are cast first.
-        labels, temperature, softcap, logit_scale, ignore_index, mask, return_entropy, stats,
-            compile_chunks: as in :func:`token_logprobs`; chunk_size as in
-            :func:`functional_ce.linear_cross_entropy`.
+        labels: as in :func:`token_logprobs`.
+        **options: ``temperature``, ``softcap``, ``logit_scale``, ``ignore_index``, ``mask``,
+            ``return_entropy``, ``stats``, ``compile_chunks``: as in :func:`token_logprobs`;
+            ``chunk_size`` as in :func:`functional_ce.linear_cross_entropy`.
 
     Returns:
         ``logp`` fp32 ``[...]`` (0 where ignored), ``(logp, entropy)`` with ``return_entropy``,
@@ -221,9 +222,11 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
         student_hidden: ``[..., H]``; student_weight ``[V, H]``; teacher_hidden ``[..., Ht]`` (same
             token shape); teacher_weight ``[V, Ht]``; biases ``[V]`` or None; float32 / bfloat16 /
             float16, each head of one dtype, all on one device.
-        labels, beta, temperature, softcap, logit_scale, teacher_softcap, teacher_logit_scale,
-            ignore_index, mask, reduction, num_label_tokens, chunk_size, compile_chunks: as in
-            :func:`distillation_loss` (the scales multiply each model's logits, not its hidden states).
+        labels: as in :func:`distillation_loss`.
+        **options: ``beta``, ``temperature``, ``softcap``, ``logit_scale``, ``teacher_softcap``,
+            ``teacher_logit_scale``, ``ignore_index``, ``mask``, ``reduction``, ``num_label_tokens``,
+            ``chunk_size``, ``compile_chunks``: as in :func:`distillation_loss` (the scales multiply
+            each model's logits, not its hidden states).
         recompute_logits_in_backward: as in :func:`functional_ce.linear_cross_entropy`.
 
     Returns:

@@ -11,6 +11,7 @@ yourself works too.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -44,5 +45,9 @@ def pipeline_loss_fn(head: nn.Linear, **options: Any) -> Callable[[torch.Tensor,
     return loss_fn
 
 
-#: The former name of :func:`pipeline_loss_fn`, kept for one release.
-hidden_state_loss_fn = pipeline_loss_fn
+def hidden_state_loss_fn(lm_head: nn.Module, **options: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Deprecated: the former name of :func:`pipeline_loss_fn`, kept for one release; warns with a
+    ``DeprecationWarning`` and returns ``pipeline_loss_fn(lm_head, **options)``."""
+    warnings.warn("functional_ce.hidden_state_loss_fn is deprecated and will be removed in the next minor "
+                  "release; use functional_ce.pipeline_loss_fn", DeprecationWarning, stacklevel=2)
+    return pipeline_loss_fn(lm_head, **options)

@@ -34,144 +34,35 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import functional_ce
 from functional_ce.spec import ChunkSize
 
 from ..calls import unwrap_from_under
 from ..registry import Handle
-from .forward_keywords import LOSS_ONLY_KEYS as _LOSS_ONLY_KEYS
+from .causal_lm_parts import (
+    VERIFIED_MODEL_TYPES,
+    decoder_inputs,
+    head_and_decoder,
+    inside_call,
+    is_fsdp_module,
+    last_hidden_state,
+    module_class,
+    refuse,
+    shifted_labels,
+)
 from .forward_keywords import as_keywords, model_keywords, refuse_unknown_keywords
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .model_scope import ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
 
-__all__ = ["HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
+__all__ = ["VERIFIED_MODEL_TYPES", "HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
 
 logger = logging.getLogger(__name__)
-
-#: Model types whose causal-LM forward was checked to be decoder -> lm_head [-> softcap].
-VERIFIED_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gemma", "gemma2", "gemma3_text",
-     "mixtral", "phi3", "olmo2", "smollm3"}
-)
-#: Config attributes of logit transforms this function does not reproduce.
-_LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
-_warned_types: set[str] = set()
-
-
-def _refuse(model: nn.Module, why: str, fix: str, who: str = "causal_lm_loss") -> None:
-    raise ValueError(f"{who} cannot run {type(model).__name__}: {why}. {fix}")
-
-
-def _head_and_decoder(model: nn.Module, who: str = "causal_lm_loss") -> tuple[nn.Linear, nn.Module]:
-    """``model``'s output embedding (a plain ``nn.Linear``) and decoder; refuses, naming ``who``
-    (the calling function) in the message, a model whose logits are not ``lm_head(decoder(...))``
-    [then ``final_logit_softcapping``]."""
-    config = getattr(model, "config", None)
-    if config is None:
-        _refuse(model, "it has no .config", "Pass a Hugging Face *ForCausalLM model", who)
-    if getattr(config, "is_encoder_decoder", False):
-        _refuse(model, "it is an encoder-decoder model", "Use model(**batch, labels=...) for it", who)
-    for attr in _LOGIT_TRANSFORMS:
-        value = getattr(config, attr, None)
-        if value is not None and value != 1.0:
-            _refuse(
-                model,
-                f"its forward scales the logits (config.{attr}={value!r}), which this loss does not reproduce",
-                "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
-                who,
-            )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or _module_class(head) is not nn.Linear:
-        _refuse(
-            model,
-            f"its output embedding is {type(head).__name__}, not a plain torch.nn.Linear "
-            "(wrapped, quantised or missing heads change the logits in ways this loss cannot see)",
-            "Use model(**batch, labels=...) with model_patches.enable_chunked_loss() instead",
-            who,
-        )
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    if not isinstance(decoder, nn.Module) or decoder is model:
-        _refuse(model, "it exposes no decoder (get_decoder() / .model)", "Pass a *ForCausalLM model", who)
-    model_type = str(getattr(config, "model_type", ""))
-    if model_type not in VERIFIED_MODEL_TYPES and model_type not in _warned_types:
-        _warned_types.add(model_type)
-        logger.warning(
-            "%s: model_type %r was not verified; assuming logits = lm_head(decoder(...)) "
-            "[then final_logit_softcapping]. Compare one step against model(**batch, labels=...) once.",
-            who, model_type,
-        )
-    return head, decoder
-
-
-def _is_fsdp_module(module: nn.Module) -> bool:
-    """``module`` was sharded with FSDP2's ``fully_shard`` (its hooks gather its parameters)."""
-    if not torch.distributed.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
-    return isinstance(module, FSDPModule)
-
 
 #: Set while the forward patched by :func:`enable_hidden_state_loss` runs: the model's own call
 #: (and its FSDP2 hooks) is already under way, so :func:`causal_lm_loss` must not call it again.
 _IN_MODEL_CALL = threading.local()
-
-
-def _module_class(module: nn.Module) -> type:
-    """``module``'s own class: for a module sharded with ``fully_shard`` (whose class FSDP2
-    replaces by a subclass), the class it had before."""
-    if not _is_fsdp_module(module):
-        return type(module)
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
-
-
-def _decoder_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The entries of a ``model(...)`` batch that the decoder takes (the loss-only ones removed)."""
-    inputs = {k: v for k, v in batch.items() if k not in _LOSS_ONLY_KEYS}
-    # A loss never needs a KV cache; building one also switches off Transformers' detection of
-    # packed rows from position_ids (5.x), which lets packed documents attend to each other.
-    inputs.setdefault("use_cache", False)
-    return inputs
-
-
-def _last_hidden_state(decoder: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """The decoder's last hidden state ``[B, T, H]`` (its own dtype)."""
-    out = decoder(**inputs)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-
-def _shifted_labels(
-    labels: Optional[torch.Tensor], shift_labels: Optional[torch.Tensor], ignore_index: int, device: torch.device
-) -> torch.Tensor:
-    """Labels aligned with the positions that predict them, ``[B, T]`` on ``device``:
-    ``shift_labels`` as given, else ``labels`` shifted left by one as Transformers does
-    (position t scores token t+1; the last position gets ``ignore_index``)."""
-    if shift_labels is None:
-        shift_labels = F.pad(labels.to(device), (0, 1), value=ignore_index)[..., 1:]
-    return shift_labels.to(device)
-
-
-def _inside_call(module: nn.Module, fn: Any) -> Any:
-    """``fn()`` run as ``module``'s forward for one call, so the hooks registered on ``module``
-    (FSDP2's parameter gathering before, resharding and backward registration after) run
-    around it."""
-    had_own = "forward" in module.__dict__
-    own = module.__dict__.get("forward")
-    module.forward = lambda *args, **kwargs: fn()
-    try:
-        return module()
-    finally:
-        if had_own:
-            module.forward = own
-        else:
-            del module.forward
 
 
 def causal_lm_loss(
@@ -197,9 +88,9 @@ def causal_lm_loss(
 
     Raises:
         ValueError: a model whose structure does not fit (see the module docstring), or a batch
-        without ``labels``/``shift_labels``.
+            without ``labels``/``shift_labels``.
     """
-    head, decoder = _head_and_decoder(model)
+    head, decoder = head_and_decoder(model)
     labels = batch.get("labels")
     shift_labels = batch.get("shift_labels")
     num_items = batch.get("num_items_in_batch")
@@ -208,17 +99,17 @@ def causal_lm_loss(
         raise ValueError("causal_lm_loss needs labels=[B, T] or shift_labels=[B, T] in the batch, got neither")
     config = model.config
     if batch.get("output_router_logits", getattr(config, "output_router_logits", False)):
-        _refuse(
+        refuse(
             model,
             "output_router_logits is on, so its loss would include the router auxiliary loss, which "
             "this function does not add",
             "Pass output_router_logits=False and add the auxiliary loss from the decoder's router_logits yourself",
         )
-    inputs = _decoder_inputs(batch)
+    inputs = decoder_inputs(batch)
     step = lambda: _loss_from_decoder(model, head, decoder, inputs, labels, shift_labels, num_items,  # noqa: E731
                                       ignore_index, chunk_size, compile_chunks)
     in_model_call = getattr(_IN_MODEL_CALL, "active", False)  # called from the patched forward
-    return _inside_call(model, step) if _is_fsdp_module(model) and not in_model_call else step()
+    return inside_call(model, step) if is_fsdp_module(model) and not in_model_call else step()
 
 
 def _loss_from_decoder(
@@ -228,8 +119,8 @@ def _loss_from_decoder(
     """The decoder's last hidden state, then the hidden-state loss on the output embedding."""
     config = model.config
     loss_reached()
-    hidden = _last_hidden_state(decoder, inputs)
-    shift_labels = _shifted_labels(labels, shift_labels, ignore_index, hidden.device)
+    hidden = last_hidden_state(decoder, inputs)
+    shift_labels = shifted_labels(labels, shift_labels, ignore_index, hidden.device)
     softcap = getattr(config, "final_logit_softcapping", None)
     if isinstance(num_items, torch.Tensor):
         num_items = num_items.to(hidden.device)
@@ -247,7 +138,7 @@ def _loss_from_decoder(
             h, weight, shift_labels, reduction="sum", num_label_tokens=num_items, **kwargs
         )
 
-    return _inside_call(head, head_loss) if _is_fsdp_module(head) else head_loss()
+    return inside_call(head, head_loss) if is_fsdp_module(head) else head_loss()
 
 
 class _Installed(typing.NamedTuple):
@@ -345,25 +236,25 @@ def enable_hidden_state_loss(
 
     Raises:
         ValueError: a model :func:`causal_lm_loss` cannot run (named with the reason), one whose
-        config asks for router auxiliary losses, one already patched, or one whose loss a
-        trainer's fused head computes.
+            config asks for router auxiliary losses, one already patched, or one whose loss a
+            trainer's fused head computes.
     """
-    _head_and_decoder(model, "enable_hidden_state_loss")
+    head_and_decoder(model, "enable_hidden_state_loss")
     if getattr(model.config, "output_router_logits", False):
-        _refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
+        refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
                 "loss, which this function does not add", "Set config.output_router_logits=False")
     if getattr(model.__dict__.get("forward"), "_hidden_state_loss", False):
         raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
                          "handle first")
     head = trainer_fused_head(model)
     if head is not None:
-        _refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
+        refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
                 "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_hidden_state_loss")
     had_own = "forward" in model.__dict__
     own = model.__dict__.get("forward")
     original = model.forward
     signature = inspect.signature(original)
-    known = model_keywords(_module_class(model))
+    known = model_keywords(module_class(model))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..registry import Handle
+from .trl_modes import trl_heads_routed
 
 __all__ = ["FUSED_HEAD_KEYWORD", "TRAINER_HEAD_FIX", "LossUseWatch", "loss_reached", "trainer_fused_head"]
 
@@ -77,8 +78,6 @@ class LossUseWatch(Handle):
     hooks off. Holds no reference to the model (the model holds the hooks)."""
 
     def __init__(self, model: nn.Module, who: str, fix: str) -> None:
-        from .trl_heads import trl_heads_routed  # it imports this module (loss_reached)
-
         self._name, self._who, self._fix = type(model).__name__, who, fix
         self._routed = trl_heads_routed
         self._warned = False

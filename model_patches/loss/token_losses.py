@@ -31,13 +31,13 @@ import torch.nn.functional as F
 import functional_ce
 from functional_ce.spec import ChunkSize
 
-from .hidden_state_loss import (
-    _decoder_inputs,
-    _head_and_decoder,
-    _inside_call,
-    _is_fsdp_module,
-    _last_hidden_state,
-    _shifted_labels,
+from .causal_lm_parts import (
+    decoder_inputs,
+    head_and_decoder,
+    inside_call,
+    is_fsdp_module,
+    last_hidden_state,
+    shifted_labels,
 )
 
 __all__ = ["causal_lm_distillation_loss", "causal_lm_token_logprobs"]
@@ -49,7 +49,7 @@ def _in_call(module: nn.Module, fn: Callable[[], Any], *, frozen: bool = False) 
     """``fn()``, inside ``module``'s own call when FSDP2 sharded it (see
     :func:`model_patches.hidden_state_loss._inside_call`). ``frozen``: FSDP2's hooks run with
     gradients off (no backward hooks for ``module``) while ``fn`` keeps the caller's grad mode."""
-    if not _is_fsdp_module(module):
+    if not is_fsdp_module(module):
         return fn()
     grad_mode = torch.is_grad_enabled()
 
@@ -63,7 +63,7 @@ def _in_call(module: nn.Module, fn: Callable[[], Any], *, frozen: bool = False) 
         return _not_a_view(out)
 
     with torch.set_grad_enabled(grad_mode and not frozen):
-        return _inside_call(module, run)
+        return inside_call(module, run)
 
 
 def _not_a_view(t: Any) -> Any:
@@ -117,18 +117,18 @@ def causal_lm_token_logprobs(
 
     Raises:
         ValueError: a model whose head cannot be reproduced (see ``causal_lm_loss``), or a batch
-        without ``labels``/``shift_labels``.
+            without ``labels``/``shift_labels``.
     """
     who = "causal_lm_token_logprobs"
-    head, decoder = _head_and_decoder(model, who)
+    head, decoder = head_and_decoder(model, who)
     labels, shift_labels = _labels_of(batch, who)
     ignore_index = int(batch.get("ignore_index", -100))
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    inputs = _decoder_inputs(batch)
+    inputs = decoder_inputs(batch)
 
     def step() -> Any:
-        hidden = _last_hidden_state(decoder, inputs)
-        targets = _shifted_labels(labels, shift_labels, ignore_index, hidden.device)
+        hidden = last_hidden_state(decoder, inputs)
+        targets = shifted_labels(labels, shift_labels, ignore_index, hidden.device)
 
         def head_logprobs() -> Any:
             weight = head.weight  # the gathered parameter inside an FSDP2 head's call
@@ -203,11 +203,11 @@ def causal_lm_distillation_loss(
 
     Raises:
         ValueError: a model whose head cannot be reproduced, vocabulary sizes that differ, or
-        teacher rows whose shape differs from the student's.
+            teacher rows whose shape differs from the student's.
     """
     who = "causal_lm_distillation_loss"
-    s_head, s_decoder = _head_and_decoder(student, who)
-    t_head, t_decoder = _head_and_decoder(teacher, who)
+    s_head, s_decoder = head_and_decoder(student, who)
+    t_head, t_decoder = head_and_decoder(teacher, who)
     if s_head.out_features != t_head.out_features:
         raise ValueError(
             f"{who}: the student's vocabulary has {s_head.out_features} entries and the teacher's "
@@ -219,15 +219,15 @@ def causal_lm_distillation_loss(
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
     ignore_index = int(batch.get("ignore_index", -100))
     num_items = batch.get("num_items_in_batch")
-    inputs = _decoder_inputs(batch)
-    t_inputs = inputs if teacher_batch is None else _decoder_inputs(teacher_batch)
+    inputs = decoder_inputs(batch)
+    t_inputs = inputs if teacher_batch is None else decoder_inputs(teacher_batch)
 
     def teacher_hidden() -> torch.Tensor:
         with torch.no_grad():
-            return _last_hidden_state(t_decoder, t_inputs)
+            return last_hidden_state(t_decoder, t_inputs)
 
     def step() -> torch.Tensor:  # inside the student's call
-        s_hidden = _last_hidden_state(s_decoder, inputs)
+        s_hidden = last_hidden_state(s_decoder, inputs)
         # The loss needs both heads at once, so it runs inside the teacher's call too.
         return _in_call(teacher, lambda: with_teacher(s_hidden, teacher_hidden()), frozen=True)
 
@@ -241,7 +241,7 @@ def causal_lm_distillation_loss(
         if labels is None and shift_labels is None:
             targets, mask = None, _counted_positions(inputs, s_hidden, who)
         else:
-            targets, mask = _shifted_labels(labels, shift_labels, ignore_index, s_hidden.device), None
+            targets, mask = shifted_labels(labels, shift_labels, ignore_index, s_hidden.device), None
         count = num_items.to(s_hidden.device) if isinstance(num_items, torch.Tensor) else num_items
 
         def heads_loss() -> torch.Tensor:

@@ -12,7 +12,7 @@ scales and final-logit soft-caps become functional_ce's own options (for the div
 model's: ``logit_scale``/``softcap`` for the student, ``teacher_logit_scale``/``teacher_softcap``
 for the teacher), so soft-capped models (Gemma 2/3) are routed too.
 
-Each replacement decides at call time, from this module's state:
+Each replacement decides at call time, from the mode state of :mod:`model_patches.loss.trl_modes`:
 
 - an :func:`enable_trl_heads` handle is active: compute with
   :func:`functional_ce.linear_token_logprobs` (with its ``stats``) /
@@ -44,19 +44,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import torch
 import torch.nn as nn
-
-import functional_ce
 
 from ..calls import parameters_probe
 from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
-from .loss_use import loss_reached
 from .model_scope import ModelScope, Refusal, ReleaseWithModel
+from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
+from .trl_modes import REFUSALS, ROUTED, refusal, trl_heads_routed
 
-__all__ = ["enable_trl_heads", "refuse_unrouted_trl_heads", "trl_heads_routed", "trl_heads_status"]
+__all__ = [
+    "enable_trl_heads", "refuse_unrouted_trl_heads", "routed_divergence", "routed_logprobs", "trl_heads_routed",
+    "trl_heads_status",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,6 @@ DIVERGENCE_TARGET = "trl.trainer.distillation_trainer:_chunked_divergence_loss"
 TRL_VERSIONS = ">=1.16,<2"
 NEWEST_TESTED_TRL = "1.16.0"
 
-#: TRL's per-token outputs besides the log-probs, in the order its kernel returns them.
-_OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _HEAD_PARAMETERS = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                     "final_logit_softcapping", "logit_scale", "outputs")
 _DIVERGENCE_PARAMETERS = (
@@ -76,114 +75,7 @@ _DIVERGENCE_PARAMETERS = (
     "teacher_final_logit_softcapping", "temperature",
 )
 
-# The live handles of each mode (a handle's id -> None, or its refusal). Read without a lock at
-# call time (one dict/len read); changed under the registry's handles only.
-_ROUTED: dict[int, None] = {}
-_REFUSALS: dict[int, Refusal] = {}
-
-
-# --- the computations ------------------------------------------------------------------------
-
-
-def _compute_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
-    """``(weight, bias)`` in the dtype TRL computes in: the autocast dtype under autocast (then
-    functional_ce casts all three), else the hidden states' (``cast_lm_head_to_fp32`` passes fp32
-    hidden states with the model's bf16 head; TRL casts each weight chunk, this casts once)."""
-    if getattr(weight, "ds_id", None) is not None:
-        raise ValueError(
-            "TRL's fused LM head on functional_ce does not support DeepSpeed ZeRO-3 heads (the partitioned "
-            "weight is released after forward, and functional_ce's backward does not re-gather it). Remove "
-            "the enable_trl_heads handle to use TRL's own kernel under ZeRO-3"
-        )
-    if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
-        return weight, bias
-    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
-
-
-def routed_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                    temperature: float, chunk_size: int, final_logit_softcapping: Optional[float] = None,
-                    logit_scale: float = 1.0, outputs: Sequence[str] = _OPTIONAL_OUTPUTS) -> tuple:
-    """TRL's ``ChunkedLogProbFunction.apply`` contract on :func:`functional_ce.linear_token_logprobs`:
-    ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, fp32 (``is_top1`` bool),
-    None for each field not in ``outputs``; gradients on the log-probs and the entropy only.
-    ``chunk_size`` (TRL's vocabulary tile width) is not used: functional_ce chunks token rows."""
-    loss_reached()
-    outputs = tuple(outputs)
-    entropy = "entropy" in outputs
-    stats = tuple(name for name in _OPTIONAL_OUTPUTS[1:] if name in outputs)
-    weight, bias = _compute_inputs(hidden, weight, bias)
-    result = functional_ce.linear_token_logprobs(
-        hidden, weight, targets, bias=bias, temperature=float(temperature), softcap=final_logit_softcapping,
-        logit_scale=float(logit_scale), return_entropy=entropy, stats=stats,
-    )
-    values = dict(zip(("log_probs", *(("entropy",) if entropy else ()), *stats),
-                      result if isinstance(result, tuple) else (result,)))
-    return tuple(values.get(name) for name in ("log_probs", *_OPTIONAL_OUTPUTS))
-
-
-def _full(weight: Any, bias: Any, dtype: torch.dtype) -> tuple:
-    """TRL's own handling of an FSDP2 head: the full weight (in ``dtype``) and bias."""
-    if isinstance(weight, torch.distributed.tensor.DTensor):
-        weight = weight.full_tensor().to(dtype)
-        if bias is not None:
-            bias = bias.full_tensor()
-    return weight, bias
-
-
-def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states: torch.Tensor,
-                      student_lm_head_weight: torch.Tensor, teacher_lm_head_weight: torch.Tensor,
-                      completion_mask: torch.Tensor, beta: float, num_items_in_batch: Any = None,
-                      student_lm_head_bias: Optional[torch.Tensor] = None,
-                      teacher_lm_head_bias: Optional[torch.Tensor] = None, student_logit_scale: float = 1.0,
-                      teacher_logit_scale: float = 1.0, student_final_logit_softcapping: Optional[float] = None,
-                      teacher_final_logit_softcapping: Optional[float] = None, temperature: float = 1.0) -> tuple:
-    """TRL's ``_chunked_divergence_loss`` contract on :func:`functional_ce.linear_distillation_loss`:
-    ``(loss, student entropy sum, number of counted positions)``; the loss is the summed divergence
-    over ``num_items_in_batch`` (over the counted positions, 0 when none, without it), its gradient
-    reaches the student only; the entropy (of the tempered student distribution) has none.
-
-    Each model's logit scale and soft-cap go to functional_ce as that model's own (TRL's order:
-    scale, soft-cap, then temperature). The student's entropy is a second, gradient-free pass over
-    the student's head with the student's scale and soft-cap (functional_ce's divergence does not
-    return it).
-    """
-    loss_reached()
-    ws, bs = _full(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
-    wt, bt = _full(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
-    valid = completion_mask.reshape(-1) != 0
-    hs = student_hidden_states.reshape(-1, student_hidden_states.size(-1))
-    ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.size(-1))
-    ws, bs = _compute_inputs(hs, ws, bs)
-    wt, bt = _compute_inputs(ht, wt, bt)
-    count = num_items_in_batch
-    if isinstance(count, torch.Tensor):
-        count = count.to(hs.device)
-    student = dict(temperature=float(temperature), softcap=student_final_logit_softcapping,
-                   logit_scale=float(student_logit_scale))
-    loss = functional_ce.linear_distillation_loss(
-        hs, ws, ht.detach(), wt.detach(), student_bias=bs, teacher_bias=None if bt is None else bt.detach(),
-        mask=valid, beta=float(beta), teacher_softcap=teacher_final_logit_softcapping,
-        teacher_logit_scale=float(teacher_logit_scale), reduction="mean", num_label_tokens=count, **student,
-    )
-    with torch.no_grad():
-        _, entropy = functional_ce.linear_token_logprobs(
-            hs, ws, torch.zeros_like(valid, dtype=torch.long), bias=bs, mask=valid, return_entropy=True, **student,
-        )
-    return loss, entropy.sum(), valid.sum()
-
-
 # --- the replacements: one per target, dispatching on the mode at call time -------------------
-
-
-def _refusal(weight: Any = None) -> Optional[str]:
-    """While nothing routes, the message of the oldest refusal that concerns a kernel call
-    computing with the LM head weight ``weight``, else None."""
-    if _ROUTED or not _REFUSALS:
-        return None
-    for refusal in list(_REFUSALS.values()):  # a copy: a collected model may drop its entry meanwhile
-        if refusal.concerns(weight):
-            return refusal.message
-    return None
 
 
 def _argument(args: tuple, kwargs: dict[str, Any], index: int, name: str) -> Any:
@@ -198,9 +90,9 @@ class RoutedChunkedLogProb:
         self.__wrapped__ = original
 
     def apply(self, *args: Any, **kwargs: Any) -> tuple:
-        if _ROUTED:
+        if ROUTED:
             return routed_logprobs(*args, **kwargs)
-        message = _refusal(_argument(args, kwargs, 1, "weight"))
+        message = refusal(_argument(args, kwargs, 1, "weight"))
         if message is not None:
             raise ValueError(message)
         return self.__wrapped__.apply(*args, **kwargs)
@@ -219,9 +111,9 @@ def _build_head(original: Any) -> RoutedChunkedLogProb:
 def _build_divergence(original: Any) -> Any:
     @functools.wraps(original)
     def chunked_divergence_loss(*args: Any, **kwargs: Any) -> tuple:
-        if _ROUTED:
+        if ROUTED:
             return routed_divergence(*args, **kwargs)
-        message = _refusal(_argument(args, kwargs, 2, "student_lm_head_weight"))
+        message = refusal(_argument(args, kwargs, 2, "student_lm_head_weight"))
         if message is not None:
             raise ValueError(message)
         return original(*args, **kwargs)
@@ -238,8 +130,8 @@ def _probe_head(original: Any) -> Optional[str]:
     from trl.kernels import chunked_logprob
 
     found = tuple(getattr(chunked_logprob, "OPTIONAL_OUTPUTS", ()))
-    if found != _OPTIONAL_OUTPUTS:
-        return f"expected the kernel's optional outputs {_OPTIONAL_OUTPUTS}, found {found}"
+    if found != OPTIONAL_OUTPUTS:
+        return f"expected the kernel's optional outputs {OPTIONAL_OUTPUTS}, found {found}"
     return None
 
 
@@ -336,7 +228,7 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
         :func:`refuse_unrouted_trl_heads` is removed. Without TRL: a handle that patched nothing
         (its ``rows`` say why).
     """
-    return _enable(_ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
+    return _enable(ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
 
 
 def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None) -> Handle:
@@ -364,10 +256,10 @@ def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if model is None or _trl_version() is None:
-        return _enable(_REFUSALS, Refusal(message), "trl heads refusal", strict=False)
+        return _enable(REFUSALS, Refusal(message), "trl heads refusal", strict=False)
     scope = ModelScope(model)
     try:
-        handle = _enable(_REFUSALS, Refusal(message, scope), f"trl heads refusal for {scope.name}", strict=False)
+        handle = _enable(REFUSALS, Refusal(message, scope), f"trl heads refusal for {scope.name}", strict=False)
     except BaseException:
         scope.remove()
         raise
@@ -375,11 +267,6 @@ def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None
     handle.companions[:0] = [scope]
     handle.companions.append(ReleaseWithModel(model, handle))
     return handle
-
-
-def trl_heads_routed() -> bool:
-    """True while an :func:`enable_trl_heads` handle is active."""
-    return bool(_ROUTED)
 
 
 def trl_heads_status() -> StatusTable:
@@ -394,7 +281,7 @@ def trl_heads_status() -> StatusTable:
 
 def _mode() -> str:
     """Which mode is in force, for :func:`trl_heads_status`."""
-    live = [r for r in list(_REFUSALS.values()) if r.live]
-    if _ROUTED or not live:
-        return "routed to functional_ce" if _ROUTED else "TRL's own"
+    live = [r for r in list(REFUSALS.values()) if r.live]
+    if ROUTED or not live:
+        return "routed to functional_ce" if ROUTED else "TRL's own"
     return f"refusing for {live[0].who}{f' (and {len(live) - 1} more)' if len(live) > 1 else ''}: {live[0].message}"

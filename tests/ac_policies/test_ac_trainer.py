@@ -48,7 +48,7 @@ def _trainer(model: torch.nn.Module, tmp_path, **arguments):
 def test_trainer_refusal_names_the_training_argument_and_following_it_trains(tmp_path) -> None:
     argument = trainer_checkpointing_argument()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing is an alias on Transformers 5.x
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing is an alias on Transformers 5.25
         model = tiny_ac_model("llama")
         with ac_policies.apply_policy(model, "full"):
             trainer = _trainer(model, tmp_path / "on", **{argument: True})

@@ -134,7 +134,7 @@ def microbatch_mean_reference() -> dict[str, Any]:
 
 
 def hidden_state_loss_step(mesh, scale_grads):
-    """GPipe with the last stage emitting hidden states and ``hidden_state_loss_fn`` applying the
+    """GPipe with the last stage emitting hidden states and ``pipeline_loss_fn`` applying the
     head: ``reduction="mean"`` per microbatch with ``scale_grads=True``, or the sum over the
     global label count with ``scale_grads=False``."""
     from torch.distributed import pipelining as pp
@@ -149,7 +149,7 @@ def hidden_state_loss_step(mesh, scale_grads):
     ids, labels = batch()
     count = int((labels != -100).sum())
     options = {"reduction": "mean"} if scale_grads else {"reduction": "sum", "num_label_tokens": count}
-    loss_fn = functional_ce.hidden_state_loss_fn(all_blocks[3].layer, **options)
+    loss_fn = functional_ce.pipeline_loss_fn(all_blocks[3].layer, **options)
     schedule = pp.ScheduleGPipe(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn, scale_grads=scale_grads)
     losses: list[torch.Tensor] = []
     schedule.step(*((ids,) if rank == 0 else ()), target=labels if rank == 1 else None, losses=losses,

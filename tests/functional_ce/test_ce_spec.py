@@ -87,8 +87,15 @@ def test_unknown_or_misplaced_keywords_are_refused_by_name():
         functional_ce.pipeline_loss_fn(torch.nn.Linear(3, 7), ignore_index=1.5)
 
 
-def test_the_former_pipeline_name_is_the_same_function():
-    assert functional_ce.hidden_state_loss_fn is functional_ce.pipeline_loss_fn
+def test_deprecated_names_warn_and_still_work():
+    head = torch.nn.Linear(3, 7)
+    with pytest.warns(DeprecationWarning, match="pipeline_loss_fn"):
+        loss_fn = functional_ce.hidden_state_loss_fn(head)
+    hidden, target = torch.randn(4, 3), torch.randint(0, 7, (4,))
+    torch.testing.assert_close(loss_fn(hidden, target), functional_ce.pipeline_loss_fn(head)(hidden, target))
+    with pytest.warns(DeprecationWarning, match="LossSpec"):
+        assert functional_ce.ChunkOptions is functional_ce.LossSpec
+    assert "ChunkOptions" in functional_ce.__all__ and "hidden_state_loss_fn" in functional_ce.__all__
 
 
 def test_a_module_reads_its_options_at_each_call():

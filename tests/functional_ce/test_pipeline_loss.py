@@ -55,7 +55,7 @@ def test_returned_outputs_are_overwritten_by_the_inplace_gradient(pool):
 
 @pytest.mark.parametrize("scale_grads", [True, False], ids=["mean-scale_grads", "sum-over-global-count"])
 def test_last_stage_emitting_hidden_states_with_the_loss_owning_the_head(pool, reference, scale_grads):
-    """hidden_state_loss_fn on a last stage that holds the LM head: the schedule scales the head's
+    """pipeline_loss_fn on a last stage that holds the LM head: the schedule scales the head's
     gradient with the stage's other parameters."""
     results = pool.run(tasks.hidden_state_loss_step, (2,), scale_grads)
     expected = tasks.microbatch_mean_reference() if scale_grads else reference

@@ -126,12 +126,12 @@ def test_batch_without_labels_is_refused():
 
 
 def test_unverified_model_type_warns_once_and_still_matches(caplog):
-    from model_patches.loss import hidden_state_loss
+    from model_patches.loss import causal_lm_parts
 
-    hidden_state_loss._warned_types.discard("starcoder2")
+    causal_lm_parts.warned_types.discard("starcoder2")
     model = tiny_loss_model("starcoder2")
     batch = padded_batch()
-    with caplog.at_level("WARNING", logger="model_patches.loss.hidden_state_loss"):
+    with caplog.at_level("WARNING", logger="model_patches.loss.causal_lm_parts"):
         ours = _ours(model, batch)
         model_patches.causal_lm_loss(model, **batch)
     warned = [r for r in caplog.records if "starcoder2" in r.getMessage()]

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from torch.utils.flop_counter import flop_registry
 
-from functional_ce.driver import IMPLEMENTATIONS
+from functional_ce.operators import IMPLEMENTATIONS
 
 T = TypeVar("T")
 
