@@ -103,16 +103,16 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
 
 
 def measure_step(model: nn.Module, step: Step, *, optimizer: Any = "adamw", device: Optional[str] = None,
-                 extra: Optional[Callable[[], int]] = None) -> MemoryEstimate:
+                 resized: Optional[Callable[[], list[torch.Tensor]]] = None) -> MemoryEstimate:
     """The same accounting as :func:`estimate` on a real step of ``model`` (real kernels, real
     memory): what the estimate is checked against. ``world_size`` is not modelled: an FSDP2
-    model measures its own per-process bytes (pass ``extra``, bytes no op allocates read after
-    each op, for the unsharded parameter storages FSDP2 resizes in place).
+    model measures its own per-process bytes (pass ``resized``, returning the tensors whose storages
+    FSDP2 resizes in place, its all-gather outputs; run one step before, so they exist).
 
     The optimizer runs at learning rate 0, so the parameters end as they were; their gradients
     are set to None.
     """
     _check(model, step, 1)
     kind, size_of = _size_of(device)
-    ts = trace_step(model, step, optimizer, size_of=size_of, extra=extra)
+    ts = trace_step(model, step, optimizer, size_of=size_of, resized=resized)
     return _summarise(model, ts, 1, kind, False, size_of)

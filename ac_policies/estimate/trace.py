@@ -51,8 +51,8 @@ class StepTrace(_Live):
     (``phases``) and the fully qualified names of the modules running (``modules``, from
     ``ModTracker``, ``""`` for the root), and when each storage was first counted (``born``).
 
-    ``extra`` (real runs only) adds bytes no op allocates, read after every op: FSDP2 resizes its
-    unsharded parameter storages in place.
+    ``extra`` (real runs only) adds bytes no op allocates, read after every op (storages resized
+    in place, such as FSDP2's unsharded parameters).
     """
 
     def __init__(self, owned: set, size_of: Callable[[int], int], tracker: ModTracker,
@@ -136,13 +136,16 @@ def _state_tensors(opt: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
 
 
 def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], optimizer: Any, *,
-               size_of: Callable[[int], int] = int, extra: Optional[Callable[[], int]] = None) -> TracedStep:
+               size_of: Callable[[int], int] = int,
+               resized: Optional[Callable[[], list[torch.Tensor]]] = None) -> TracedStep:
     """Run one steady-state training step of ``model`` and trace its bytes.
 
     The optimizer's state is made first (one optimizer step on zero gradients, learning rate 0), as
     it is alive in every step after the first; gradients are None when forward starts (as after
     ``zero_grad()``). Then, traced: ``loss = step(model)`` (forward), ``loss.backward()``,
-    ``optimizer.step()``. On real tensors the parameters end as they were (learning rate 0) and
+    ``optimizer.step()``. ``resized()`` (real runs) gives tensors whose storages are resized in
+    place (FSDP2's all-gather outputs): counted at their current size after every op, never as
+    op outputs. On real tensors the parameters end as they were (learning rate 0) and
     their gradients are set to None again.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -156,13 +159,17 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
     params = [p for p in model.parameters()]
     buffers = [b for b in model.buffers()]
     states = _state_tensors(opt)
-    owned = {storage_key(_local(t)) for t in [*params, *buffers, *states]}
+    owned = {storage_key(_local(t)) for t in [*params, *buffers, *states, *(resized() if resized else [])]}
     state_of = {}
     for n, p in named:
         st = opt.state.get(p, {}) if opt is not None else {}
         state_of[n] = sum(size_of(_local(v).untyped_storage().nbytes()) for v in st.values()
                           if isinstance(v, torch.Tensor) and v.shape == p.shape)
     tracker = ModTracker()
+    extra = None
+    if resized is not None:
+        def extra() -> int:
+            return unique_bytes(resized(), size_of)
     trace = StepTrace(owned, size_of, tracker, extra)
     root = type(model).__name__
     gc.freeze()
