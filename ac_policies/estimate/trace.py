@@ -166,10 +166,7 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
         state_of[n] = sum(size_of(_local(v).untyped_storage().nbytes()) for v in st.values()
                           if isinstance(v, torch.Tensor) and v.shape == p.shape)
     tracker = ModTracker()
-    extra = None
-    if resized is not None:
-        def extra() -> int:
-            return unique_bytes(resized(), size_of)
+    extra = (lambda: unique_bytes(resized(), size_of)) if resized is not None else None
     trace = StepTrace(owned, size_of, tracker, extra)
     root = type(model).__name__
     gc.freeze()
