@@ -16,12 +16,20 @@ ac_policies.apply_policy(model, [{"when": "decoder_block", "action": "selective"
 ``ac_policies.fit(model, step, "8GB")`` (or ``0.5``: half the peak without checkpointing)
 returns the table with the least recompute whose measured step peak fits the budget.
 
+``ac_policies.estimate(model, step)`` answers before anything runs: one training step (forward,
+backward, optimizer step) on fake tensors, for a model built on the meta device at full size, with
+its policy and loss patches; it returns a :class:`MemoryEstimate` (bytes of parameters, gradients,
+optimizer state, activations and the step peak, with the phase and module of the peak) that
+prints as a table. ``python -m ac_policies.estimate CONFIG.json --tokens 32768 ...`` does it for
+a Hugging Face config, and ``fit(..., fake=True)`` searches on fake tensors the same way.
+
 Regions are entered only in training mode with gradients on; Hugging Face's own gradient
 checkpointing on top of a policy is refused; ``ac_policies.measure.step_bytes`` reports the
 step peak next to the bytes kept after forward.
 """
 
 from .apply import PolicyHandle, apply_policy
+from .estimate import MemoryEstimate, estimate
 from .fit import FitEstimate, fit
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .predicates import Predicate, all_of, any_of, inside, layers, not_, predicate, register_predicate
@@ -35,6 +43,7 @@ __all__ = [
     "ACPolicyWarning",
     "DEFAULT_SAVE_OPS",
     "FitEstimate",
+    "MemoryEstimate",
     "PRESETS",
     "Plan",
     "PlanRow",
@@ -45,6 +54,7 @@ __all__ = [
     "all_of",
     "any_of",
     "apply_policy",
+    "estimate",
     "fit",
     "inside",
     "layers",

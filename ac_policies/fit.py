@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from .apply import apply_policy, applied_row
+from .fake import fake_model
+from .fit_search import _candidates, _Choice, _Option, _select, _useful
 from .measure import StepCost, step_cost
 from .plan import ACPolicyWarning, plan
 from .rules import ACTIONS, Rule
@@ -52,16 +54,8 @@ __all__ = ["fit", "parse_budget", "FitEstimate"]
 logger = logging.getLogger(__name__)
 
 Budget = Union[int, float, str]
-#: A recompute cost: (FLOPs, op calls), compared in that order.
-Cost = tuple[int, int]
 #: Fraction of a block's parameters from which a child is a choice of its own.
 _LARGE_CHILD = 0.05
-#: Resolution of the dynamic programme: savings in 1/_BUCKETS of the peak without checkpointing.
-_BUCKETS = 256
-#: Predicted peaks may undershoot by the recompute transient: try entries predicted up to this far over.
-_MARGIN = 0.10
-#: At most this many candidate tables are measured per fit.
-_MAX_VERIFIED = 48
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -115,44 +109,23 @@ def parse_budget(budget: Budget, unconstrained_peak: int) -> int:
     raise ValueError(f"budget must be bytes, a size such as '8GB', or a fraction in (0, 1], got {type(budget).__name__}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Choice:
-    """One way to treat a block: ``(path relative to the block, action)`` pairs ('' = the block)."""
-
-    parts: tuple[tuple[str, str], ...]
-
-    @property
-    def block_level(self) -> bool:
-        return len(self.parts) == 1 and self.parts[0][0] == ""
-
-    def rules(self, block: str) -> list[Rule]:
-        return [Rule(match=f"{block}.{path}" if path else block, action=action) for path, action in self.parts]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Option:
-    """A measured choice: bytes it saves at the step peak; its recompute cost (FLOPs, op calls)."""
-
-    choice: _Choice
-    saved: int
-    cost: Cost
-
-
 class _Session:
     """Measurements of one model and step, each from the same RNG state, with the model's
     gradients put aside (and given back by :meth:`close`)."""
 
-    def __init__(self, model: nn.Module, step: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, step: Callable[[], torch.Tensor], rng: bool = True) -> None:
         self.model, self.step = model, step
         self.grads = {p: p.grad for p in model.parameters()}
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        # fake tensors hold no values: their steps need no RNG state
+        self.cpu_rng = torch.get_rng_state() if rng else None
+        self.cuda_rng = torch.cuda.get_rng_state_all() if rng and torch.cuda.is_available() else None
         self.costs: dict[tuple[Rule, ...], StepCost] = {}
 
     def _reset(self) -> None:
         for p in self.grads:
             p.grad = None
-        torch.set_rng_state(self.cpu_rng)
+        if self.cpu_rng is not None:
+            torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
@@ -229,46 +202,13 @@ def _choices(block: nn.Module, actions: tuple[str, ...]) -> list[_Choice]:
     return choices
 
 
-def _useful(options: list[_Option]) -> list[_Option]:
-    """Options that save something, without one that saves at least as much for no more FLOPs."""
-    kept = []
-    for o in sorted(options, key=lambda o: (o.cost, -o.saved)):
-        if o.saved > 0 and all(o.saved > k.saved for k in kept):
-            kept.append(o)
-    return kept
-
-
-def _frontier(per_block: list[list[_Option]], quantum: int) -> list[tuple[Cost, int, tuple[Optional[_Option], ...]]]:
-    """``(cost, saved, one option or None per block)`` on the cost/saving frontier, cheapest first."""
-    states: dict[int, tuple[Cost, int, tuple]] = {0: ((0, 0), 0, ())}  # bucket -> (cost, saved, picks)
-    for options in per_block:
-        nxt: dict[int, tuple[Cost, int, tuple]] = {}
-        for cost, saved, picks in states.values():
-            for o in [None, *options]:
-                c = (cost[0] + o.cost[0], cost[1] + o.cost[1]) if o else cost
-                s = saved + (o.saved if o else 0)
-                key = s // quantum
-                if key not in nxt or (c, -s) < (nxt[key][0], -nxt[key][1]):
-                    nxt[key] = (c, s, picks + (o,))
-        states = nxt
-    front, best = [], -1
-    for cost, saved, picks in sorted(states.values(), key=lambda x: (x[0], -x[1])):
-        if saved > best:
-            front.append((cost, saved, picks))
-            best = saved
-    return front
-
-
-def _rules(blocks: list[str], picks: tuple[Optional[_Option], ...]) -> list[Rule]:
-    return [rule for fqn, o in zip(blocks, picks) if o is not None for rule in o.choice.rules(fqn)]
-
-
 def fit(
     model: nn.Module,
-    step: Callable[[], torch.Tensor],
+    step: Callable[..., torch.Tensor],
     budget: Budget,
     *,
     actions: Iterable[str] = ("none", "selective", "checkpoint"),
+    fake: Optional[bool] = None,
 ) -> Policy:
     """The policy with the least recompute whose measured step peak is within ``budget``.
 
@@ -276,11 +216,18 @@ def fit(
         model: a model in training mode without a policy applied (decoder blocks found by
             structure, as the presets find them).
         step: what ``measure.step_bytes`` takes: a zero-argument callable that runs the forward
+            (with ``fake``, a one-argument callable taking the model)
             and returns the loss (a scalar tensor); ``fit`` runs the backward.
         budget: the step peak of activation bytes to fit in (``measure.step_bytes(...).peak``):
             bytes (int), a size (``"512MiB"``, ``"8GB"``) or a fraction in (0, 1] of the peak
             without checkpointing.
         actions: what a block or submodule may get (``"none"`` is always allowed).
+        fake: measure every step on fake tensors (:func:`ac_policies.fake.fake_model`): the model
+            at full size, built on the meta device or with real weights left untouched, and no
+            real kernel. ``step`` then takes the model (``step(model) -> loss``, as
+            :func:`ac_policies.estimate` takes it) and builds its inputs inside, where they become
+            fake. The measurements are the same (live op outputs, by storage), so the table is
+            the one a real search gives. Default: True when a parameter is on the meta device.
 
     Returns:
         A :class:`Policy` named ``fit(...)``: one rule per checkpointed module (exact names), each
@@ -301,11 +248,21 @@ def fit(
     blocks = _blocks(model)
     if not blocks:
         raise ValueError(f"fit() found no decoder blocks in {type(model).__name__} to checkpoint")
-    session = _Session(model, step)
-    try:
-        return _fit(session, blocks, budget, wrapping)
-    finally:
-        session.close()
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if on_meta and fake is False:
+        raise ValueError("a model on the meta device has no values to run: pass fake=True (step then takes the model)")
+    if not (on_meta if fake is None else fake):
+        session = _Session(model, step)
+        try:
+            return _fit(session, blocks, budget, wrapping)
+        finally:
+            session.close()
+    with fake_model(model):
+        session = _Session(model, lambda: step(model), rng=False)
+        try:
+            return _fit(session, blocks, budget, wrapping)
+        finally:
+            session.close()
 
 
 def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[str, ...]) -> Policy:
@@ -349,73 +306,6 @@ def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[st
                f"({verified} table(s) verified)")
     logger.info("fit: %s", summary)
     return Policy(chosen.rules, name=name, estimates=estimates, summary=summary)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Candidate:
-    """A whole table: its rules, predicted recompute cost and saving, and the option per block."""
-
-    rules: tuple[Rule, ...]
-    cost: Cost
-    saved: int
-    picks: tuple[Optional[_Option], ...]
-
-
-def _candidates(blocks: list[str], per_block: list[list[_Option]], peak0: int) -> list[_Candidate]:
-    """The frontier of mixed tables and that of block-level tables, cheapest first (the one that
-    saves the most last)."""
-    quantum = max(1, peak0 // _BUCKETS)
-    front = _frontier(per_block, quantum)
-    block_level = _frontier([[o for o in opts if o.choice.block_level] for opts in per_block], quantum)
-    found: dict[tuple[Rule, ...], _Candidate] = {}
-    for cost, saved, picks in [*front, *block_level]:
-        picks = _earliest_first(per_block, picks)
-        rules = tuple(_rules(blocks, picks))
-        found.setdefault(rules, _Candidate(rules, cost, saved, picks))
-    ordered = sorted(found.values(), key=lambda c: (c.cost, -c.saved))
-    most = max(ordered, key=lambda c: (c.saved, [-x for x in c.cost]))
-    return [c for c in ordered if c is not most] + [most]
-
-
-def _earliest_first(per_block: list[list[_Option]], picks: tuple[Optional[_Option], ...]) -> tuple[Optional[_Option], ...]:
-    """``picks`` rearranged among blocks of one kind (same options) so that earlier blocks get the
-    choices that save more. Costs and predicted savings do not change; the measured peak does:
-    backward recomputes a late block while the activations of every earlier block are still held,
-    so the saving belongs early and the blocks left whole belong last."""
-    out = list(picks)
-    kinds: dict[int, list[int]] = {}
-    for i, options in enumerate(per_block):
-        kinds.setdefault(id(options), []).append(i)
-    for positions in kinds.values():
-        ranked = sorted((out[i] for i in positions), key=lambda o: -(o.saved if o else 0))
-        for i, o in zip(positions, ranked):
-            out[i] = o
-    return tuple(out)
-
-
-def _select(candidates: list[_Candidate], peak0: int, limit: int,
-            peak_of: Callable[[_Candidate], int]) -> tuple[Optional[_Candidate], int]:
-    """The cheapest candidate whose measured peak (``peak_of``) is within ``limit``, and how many
-    were measured; None when even the one that saves the most (the last) is over the limit.
-
-    Candidates predicted (``peak0 - saved``) more than :data:`_MARGIN` over the limit are not
-    measured. That set only grows with the limit, and candidates are tried cheapest first, so a
-    larger limit never gives a costlier table (up to :data:`_MAX_VERIFIED` measurements, after
-    which the one that saves the most is taken).
-    """
-    most = candidates[-1]
-    if peak_of(most) > limit:
-        return None, 1
-    verified = 1
-    for candidate in candidates[:-1]:
-        if peak0 - candidate.saved > limit * (1 + _MARGIN):
-            continue
-        if verified > _MAX_VERIFIED:
-            break
-        verified += 1
-        if peak_of(candidate) <= limit:
-            return candidate, verified
-    return most, verified
 
 
 def _mib(n: int) -> str:

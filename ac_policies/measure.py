@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapp
 
 __all__ = [
     "KeptBytes", "StepBytes", "StepCost", "kept_for_backward", "step_bytes", "step_cost", "flop_counter",
-    "grouped_mm_flop", "recompute_flops",
+    "grouped_mm_flop", "recompute_flops", "storage_key",
 ]
 
 
@@ -84,6 +84,9 @@ def flop_counter(**kwargs: Any) -> FlopCounterMode:
     return FlopCounterMode(custom_mapping=mapping, **kwargs)
 
 
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
 class _RecomputeFlops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +100,8 @@ class _RecomputeFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.in_backward and torch.is_grad_enabled():
+        # prim.device: fake tensors answer `.device` through dispatch; no computation
+        if self.in_backward and torch.is_grad_enabled() and func is not _PRIM_DEVICE:
             self.ops += 1
             formula = self.registry.get(func._overloadpacket)
             if formula is not None:
@@ -150,29 +154,53 @@ class KeptBytes:
     saved: int
 
 
-class _Outputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op produces, except ``owned`` storage
-    (and, with ``device_type``, storage on other devices: host copies of offloaded activations
-    do not count against a GPU's memory)."""
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (its storage object's address): views share it, and fake
+    tensors, whose storages have no data pointer, have one too. Unique while the storage lives."""
+    return t.untyped_storage()._cdata
 
-    def __init__(self, owned: frozenset = frozenset(), device_type: Optional[str] = None) -> None:
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2 parameters and their optimizer state), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op produces, each storage once, except
+    ``owned`` storage (and, with ``device_type``, storage on other devices: host copies of
+    offloaded activations do not count against a GPU's memory). ``size_of`` turns a storage's
+    ``nbytes`` into the bytes counted (default: exactly ``nbytes``)."""
+
+    def __init__(self, owned: frozenset = frozenset(), device_type: Optional[str] = None,
+                 size_of: Optional[Callable[[int], int]] = None) -> None:
         super().__init__()
         self.owned = owned
         self.device_type = device_type
+        self.size_of = size_of
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and (
-                self.device_type is None or t.device.type == self.device_type
-            ):
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                old = self.refs.get(key)
-                if key and key not in self.owned and (old is None or old[0].expired()):
-                    self.refs[key] = (StorageWeakRef(st), st.nbytes())
+        self._record(out)
         return out
+
+    def _record(self, out: Any) -> int:
+        """Record the storages in ``out``; how many were new."""
+        new = 0
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = _local(t)
+            if t.device.type != "meta" and (self.device_type is None or t.device.type == self.device_type):
+                st = t.untyped_storage()
+                key = st._cdata
+                old = self.refs.get(key)
+                if key not in self.owned and (old is None or old[0].expired()):
+                    n = st.nbytes()
+                    self.refs[key] = (StorageWeakRef(st), self.size_of(n) if self.size_of else n)
+                    new += 1
+        return new
 
 
 def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, KeptBytes]:
@@ -180,21 +208,21 @@ def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> 
 
     Parameters and buffers are excluded; so is the returned loss. The caller runs backward.
     """
-    owned = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    owned |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    owned = {storage_key(p) for p in model.parameters()}
+    owned |= {storage_key(b) for b in model.buffers()}
     packed: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() not in owned:
-            packed[st.data_ptr()] = st.nbytes()
+        if st._cdata not in owned:
+            packed[st._cdata] = st.nbytes()
         return t
 
     mode = _Outputs()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
         loss = forward()
     gc.collect()
-    loss_ptr = loss.untyped_storage().data_ptr()
+    loss_ptr = storage_key(loss)
     live = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in owned and key != loss_ptr)
     saved = sum(n for key, n in packed.items() if key != loss_ptr)
     return loss, KeptBytes(live=live, saved=saved)
@@ -219,8 +247,9 @@ class StepBytes:
 class _Live(_Outputs):
     """Bytes of op outputs alive after each op, and their maximum."""
 
-    def __init__(self, owned: set, device_type: Optional[str] = None) -> None:
-        super().__init__(frozenset(owned), device_type)
+    def __init__(self, owned: set, device_type: Optional[str] = None,
+                 size_of: Optional[Callable[[int], int]] = None) -> None:
+        super().__init__(frozenset(owned), device_type, size_of)
         self.peak = 0
 
     def total(self) -> int:
@@ -269,8 +298,8 @@ def _step(model: nn.Module, forward: Callable[[], torch.Tensor], counted: Option
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    owned |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    owned = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    owned |= {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
     live = _Live(owned, _accelerator(model))
     gc.freeze()  # the collection after forward then scans only what forward made (fast in a large process)
     try:
@@ -279,7 +308,7 @@ def _step(model: nn.Module, forward: Callable[[], torch.Tensor], counted: Option
         gc.collect()
     finally:
         gc.unfreeze()
-    loss_ptr = loss.untyped_storage().data_ptr()
+    loss_ptr = storage_key(loss)
     kept = sum(n for key, (ref, n) in live.refs.items() if not ref.expired() and key != loss_ptr)
     if counted is None:
         with live:

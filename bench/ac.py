@@ -6,7 +6,8 @@ hooks), the step peak (most activation bytes alive at once over forward plus bac
 without checkpointing) with the MoE blocks' share, and the median step time.
 
 Then :mod:`bench.ac_budgets`: ``ac_policies.fit`` at 0.5 / 0.7 / 0.9 of the step peak next to
-the presets and to ``torch.compile``'s ``activation_memory_budget``, on a dense and a MoE model.
+the presets and to ``torch.compile``'s ``activation_memory_budget``, on a dense and a MoE model;
+and :mod:`bench.ac_estimate`: ``ac_policies.estimate`` on fake tensors against the measured step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import ac_policies
 from ac_policies.measure import kept_for_backward, recompute_flops, step_bytes
 
-from . import ac_budgets
+from . import ac_budgets, ac_estimate
 from .ac_model import build, model_config
 from .measure import spread_of
 from .modes import override, pick
@@ -69,7 +70,7 @@ def count(args: argparse.Namespace) -> int:
     """Progress steps: each preset measured, then timed each round, then the other shapes, then the
     budget tables (:mod:`bench.ac_budgets`)."""
     a = _resolved(args)
-    return len(VARIANTS) * (1 + a.ac_repeats) + (3 if a.ac_sensitivity == "on" else 0) + ac_budgets.count(args)
+    return len(VARIANTS) * (1 + a.ac_repeats) + (3 if a.ac_sensitivity == "on" else 0) + ac_budgets.count(args) + ac_estimate.count(args)
 
 
 def measure_preset(model, preset: str, ids: torch.Tensor, moe_fqns: list[str]) -> dict[str, Any]:
@@ -235,7 +236,9 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                             for r in sens},
             "moe_selective_table": MOE_SELECTIVE_TABLE}
     budget_tables, data["budgets"] = ac_budgets.run(args, tick)
-    return Section(name="ac: activation-checkpointing policies", tables=[table, table2, *budget_tables], data=data)
+    estimate_table, data["estimate"] = ac_estimate.run(args, tick)
+    return Section(name="ac: activation-checkpointing policies", tables=[table, table2, *budget_tables, estimate_table],
+                   data=data)
 
 
 def plot(section: Section, out_dir) -> list:

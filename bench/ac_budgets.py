@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac_policies
-from ac_policies.measure import _accelerator, _Live, flop_counter, step_cost
+from ac_policies.measure import _accelerator, _Live, flop_counter, step_cost, storage_key
 
 from .ac_model import build, model_config
 from .modes import override, pick
@@ -143,7 +143,7 @@ class _Timeline(_Live):
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Leave ``tensor``'s storage (alive now) out of :meth:`peak_without`."""
-        span = self.spans.get(tensor.untyped_storage().data_ptr())
+        span = self.spans.get(storage_key(tensor))
         if span is not None and all(span is not s for s in self.excluded):
             self.excluded.append(span)
 
@@ -181,8 +181,8 @@ def compiled_step(model: torch.nn.Module, step: Callable[[torch.nn.Module], torc
         with torch._functorch.config.patch(activation_memory_budget=budget):
             step(compiled).backward()
             params = [*model.parameters(), *model.buffers()]
-            owned = {t.untyped_storage().data_ptr() for t in params}
-            owned |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+            owned = {storage_key(t) for t in params}
+            owned |= {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
             live = _Timeline(owned, _accelerator(model))
             counter = flop_counter(custom_mapping=_fallback_formulas())
             hooks = [p.register_hook(lambda g: live.exclude(g)) for p in model.parameters() if p.requires_grad]

@@ -12,6 +12,7 @@ import numbers
 from typing import Any, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .spec import Count, LossSpec, linear_auto_chunk, requested_chunk_rows, spec_part, with_defaults
 
@@ -62,7 +63,7 @@ def _check_count(reduction: str, num_label_tokens: object) -> None:
             )
         if num_label_tokens.dtype == torch.bool or num_label_tokens.is_complex():
             raise TypeError(f"num_label_tokens must be a real number tensor, got {num_label_tokens.dtype}")
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or is_fake(num_label_tokens):  # no value to read
             return
         value = float(num_label_tokens.detach().reshape(()).item())
     elif isinstance(num_label_tokens, bool) or not isinstance(num_label_tokens, numbers.Real):
@@ -74,8 +75,9 @@ def _check_count(reduction: str, num_label_tokens: object) -> None:
 
 
 def _check_label_range(labels: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU)."""
-    if labels.numel() == 0 or torch.compiler.is_compiling():
+    """Eager-only check that every label is a class id or ``ignore_index`` (syncs on GPU; skipped
+    on fake tensors, which hold no values)."""
+    if labels.numel() == 0 or torch.compiler.is_compiling() or is_fake(labels):
         return
     bad = ((labels < 0) | (labels >= n_classes)) & (labels != ignore_index)
     if bool(bad.any()):

@@ -1,0 +1,142 @@
+"""``python -m ac_policies.estimate CONFIG.json --tokens 32768 [--batch 1] [--policy non_moe]
+[--loss hidden_state] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``
+
+Builds the Hugging Face model of ``CONFIG.json`` (a ``config.json`` path) on the meta device at
+full size (sdpa attention, training mode), applies the policy and loss, and prints the memory of
+one training step (AdamW) estimated on fake tensors. With ``--budget`` (a per-process size), it
+also prints the table ``fit`` chooses on fake tensors for that budget, or the smallest step peak
+the choices reach when none fits. Transformers is imported here only, never by ``ac_policies``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("ac_policies.estimate")
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ac_policies.estimate", description=__doc__.split("\n\n")[1])
+    p.add_argument("config", help="path to a Hugging Face config.json")
+    p.add_argument("--tokens", type=int, required=True, help="sequence length of one sample")
+    p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
+    p.add_argument("--policy", default="none", help="checkpointing preset (full, selective, non_moe, ...; default none)")
+    p.add_argument("--loss", choices=["stock", "hidden_state"], default="stock",
+                   help="the model's own logits and loss, or model_patches.enable_hidden_state_loss")
+    p.add_argument("--fsdp", type=int, default=1, help="FSDP2 processes the parameters are sharded over (default 1)")
+    p.add_argument("--budget", help="per-process memory to fit the step peak in, e.g. 80GB; prints the fitted table")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default: the config's, else fp32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="allocator rounding to model (default cuda)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default), adamw_fused, sgd or none")
+    return p
+
+
+def build(path: str, dtype: Optional[str]) -> torch.nn.Module:
+    """The model of the config at ``path`` on the meta device, sdpa attention, training mode."""
+    import transformers
+
+    with open(path) as f:
+        raw = json.load(f)
+    if "model_type" not in raw:
+        raise ValueError(f"{path} has no 'model_type': give a Hugging Face config.json")
+    config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config.use_cache = False
+    chosen = _DTYPES[dtype] if dtype else getattr(config, "dtype", None) or torch.float32
+    if isinstance(chosen, str):
+        chosen = _DTYPES.get(chosen, getattr(torch, chosen, torch.float32))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=chosen, attn_implementation="sdpa")
+    return model.train()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    import model_patches
+
+    import ac_policies
+
+    start = time.perf_counter()
+    logger.info("building %s on the meta device", args.config)
+    model = build(args.config, args.dtype)
+    if args.loss == "hidden_state":
+        model_patches.enable_hidden_state_loss(model)
+    vocab = model.config.get_text_config().vocab_size
+    optimizer = None if args.optimizer.lower() == "none" else args.optimizer
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (args.batch, args.tokens))
+        return m(input_ids=ids, labels=ids).loss
+
+    kwargs = dict(optimizer=optimizer, world_size=args.fsdp, device=args.device)
+    handle = None
+    if args.policy.lower() != "none":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            handle = ac_policies.apply_policy(model, args.policy)
+    logger.info("tracing one training step on fake tensors (policy %s, %s loss)", args.policy, args.loss)
+    result = ac_policies.estimate(model, step, **kwargs)
+    print(f"{args.config}: batch {args.batch} x {args.tokens} tokens, policy {args.policy}, {args.loss} loss")
+    print(result)
+    if args.budget:
+        if handle is not None:
+            handle.remove()
+        _fit(model, step, args.budget, kwargs)
+    logger.info("done in %.1f s", time.perf_counter() - start)
+    return 0
+
+
+def _fit(model: torch.nn.Module, step, budget: str, kwargs: dict) -> None:
+    """The fitted table for a per-process ``budget``: ``fit`` works on the activation peak, so the
+    budget it gets is ``budget`` less the bytes no policy changes (from the estimate without one)."""
+    import ac_policies
+    from ac_policies.fit import parse_budget
+    from ac_policies.estimate.result import format_bytes
+
+    total = parse_budget(budget, 1)
+    logger.info("estimating without checkpointing for the budget")
+    bare = ac_policies.estimate(model, step, **kwargs)
+    # FSDP2's gathered parameters are not in `fixed`: the fitted table's own estimate shows them
+    fixed = bare.params + bare.buffers + bare.grads + bare.optimizer
+    left = total - fixed
+    print(f"\nbudget {format_bytes(total)} per process: {format_bytes(fixed)} for parameters, gradients and optimizer "
+          f"state, {format_bytes(max(left, 0))} for activations")
+    if left <= 0:
+        print(f"nothing fits: parameters, gradients and optimizer state alone take {format_bytes(fixed)}; "
+              "shard over more processes (--fsdp)")
+        return
+    try:
+        policy = ac_policies.fit(model, step, left, fake=True)
+    except ValueError as exc:
+        print(f"no table fits: {exc}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            handle = ac_policies.apply_policy(model, "full")
+        try:
+            print(f"smallest reachable step peak (policy full): {format_bytes(ac_policies.estimate(model, step, **kwargs).peak)}")
+        finally:
+            handle.remove()
+        return
+    print(ac_policies.plan(model, policy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+        handle = ac_policies.apply_policy(model, policy)
+    try:
+        print(ac_policies.estimate(model, step, **kwargs))
+    finally:
+        handle.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

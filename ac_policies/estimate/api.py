@@ -1,0 +1,118 @@
+"""``estimate(model, step)``: the memory of one training step on fake tensors, and
+``measure_step``: the same accounting on a real step (the ground truth it is checked against)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..fake import fake_model
+from .fsdp import fsdp_peak
+from .result import MemoryEstimate
+from .trace import PHASES, TracedStep, cuda_block_bytes, trace_step
+
+__all__ = ["estimate", "measure_step"]
+
+Step = Callable[[nn.Module], torch.Tensor]
+
+
+def _size_of(device: Optional[str]) -> tuple[str, Callable[[int], int]]:
+    kind = "cpu" if device is None else torch.device(device).type
+    if kind == "cuda":
+        return kind, cuda_block_bytes
+    if kind == "cpu":
+        return kind, int
+    raise ValueError(f"device must be None, 'cpu' or 'cuda' (whose allocator rounding to model), got {device!r}")
+
+
+def _check(model: nn.Module, step: Any, world_size: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not callable(step):
+        raise TypeError(f"step must be a callable taking the model and returning the loss, got {type(step).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (FSDP2 processes; 1: no sharding), got {world_size!r}")
+    if not model.training:
+        raise ValueError("estimate() runs a training step: put the model in training mode (model.train()) first")
+
+
+def _module_at(ts: TracedStep, index: int) -> str:
+    names = [n for n in ts.trace.modules[index] if n != "Global"] if ts.trace.modules else []
+    if not names:
+        return ""
+    deepest = max(names, key=lambda n: (n.count("."), len(n)))
+    return deepest[len(ts.root) + 1:] if deepest.startswith(ts.root + ".") else ""
+
+
+def _summarise(model: nn.Module, ts: TracedStep, world_size: int, device: str, fake: bool,
+               size_of: Callable[[int], int]) -> MemoryEstimate:
+    totals = ts.trace.totals or [0]
+    if world_size == 1:
+        at = max(range(len(totals)), key=totals.__getitem__)
+        parts = {"params": ts.params, "grads": ts.grads, "optimizer": ts.optimizer,
+                 "peak": ts.params + ts.buffers + ts.optimizer + totals[at]}
+    else:
+        parts, at = fsdp_peak(model, ts, world_size, size_of)
+    phase = PHASES[ts.trace.phases[at]] if ts.trace.phases else "forward"
+    return MemoryEstimate(buffers=ts.buffers, activations=ts.activations, peak_phase=phase,
+                          peak_module=_module_at(ts, at), world_size=world_size, device=device, fake=fake, **parts)
+
+
+def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_size: int = 1,
+             device: Optional[str] = None) -> MemoryEstimate:
+    """The memory of one training step of ``model``, from a run on fake tensors.
+
+    Args:
+        model: an ``nn.Module`` in training mode, with whatever policy (``apply_policy``) and loss
+            patches (``model_patches.enable_hidden_state_loss``) it will train with. Built on the
+            meta device at full size (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
+            or with real weights: either way it is not modified (its parameters and buffers are
+            replaced by fake copies for the run and put back after it).
+        step: ``step(model) -> loss``: builds its inputs itself (inside the run they are fake
+            tensors: ``torch.randint(0, V, (1, 32768))`` costs nothing) and returns the scalar
+            loss; ``estimate`` runs the backward and the optimizer step.
+        optimizer: ``"adamw"`` (``torch.optim.AdamW``, foreach: its default on CUDA, two states
+            per parameter in the parameter's dtype, a step scalar, parameter-sized temporaries),
+            ``"adamw_fused"``, ``"sgd"`` (momentum: one buffer per parameter), None (no optimizer
+            step), or a callable ``params -> torch.optim.Optimizer``. The real optimizer runs on
+            the fake parameters, so its state and temporaries are its own.
+        world_size: FSDP2 processes (``fully_shard`` on each decoder block and the root); the
+            per-process bytes are modelled on the single-process trace as
+            :mod:`ac_policies.estimate.fsdp` describes. No process group is needed.
+        device: None or ``"cpu"``: exact ``nbytes`` of each storage (each storage once, however
+            many views). ``"cuda"``: each storage rounded up to 512 bytes, as the CUDA caching
+            allocator rounds a request (segments, caching and fragmentation are not modelled).
+            The ops run as fake CPU tensors either way (sdpa picks the CPU kernel's outputs).
+
+    Returns:
+        A :class:`MemoryEstimate` (bytes per process). Not counted: allocator fragmentation and
+        cached blocks, cuBLAS/NCCL workspaces, the CUDA context, and what a custom op allocates
+        inside itself without returning it (functional_ce's chunk buffers).
+
+    Raises:
+        ValueError: a model in eval mode, a ``world_size`` that is not a positive int, an unknown
+        ``device`` or ``optimizer``. TypeError: ``step`` does not return a one-element tensor.
+    """
+    _check(model, step, world_size)
+    kind, size_of = _size_of(device)
+    with fake_model(model):
+        ts = trace_step(model, step, optimizer, size_of=size_of)
+        return _summarise(model, ts, world_size, kind, True, size_of)
+
+
+def measure_step(model: nn.Module, step: Step, *, optimizer: Any = "adamw", device: Optional[str] = None,
+                 resized: Optional[Callable[[], list[torch.Tensor]]] = None) -> MemoryEstimate:
+    """The same accounting as :func:`estimate` on a real step of ``model`` (real kernels, real
+    memory): what the estimate is checked against. ``world_size`` is not modelled: an FSDP2
+    model measures its own per-process bytes (pass ``resized``, returning the tensors whose storages
+    FSDP2 resizes in place, its all-gather outputs; run one step before, so they exist).
+
+    The optimizer runs at learning rate 0, so the parameters end as they were; their gradients
+    are set to None.
+    """
+    _check(model, step, 1)
+    kind, size_of = _size_of(device)
+    ts = trace_step(model, step, optimizer, size_of=size_of, resized=resized)
+    return _summarise(model, ts, 1, kind, False, size_of)
