@@ -45,16 +45,41 @@ def test_page_code_blocks_run(page, monkeypatch, tmp_path):
     torch.manual_seed(0)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     skipped = []
-    for line, code, reason in blocks(page):
-        if reason:
-            skipped.append(f"line {line}: {reason}")
-            continue
-        try:
-            exec(compile(code, f"{page}:{line}", "exec"), namespace)
-        except Exception as error:
-            raise AssertionError(f"{_page_id(page)}, the block at line {line} failed: {error!r}") from error
+    handles = _keep_handles(monkeypatch)
+    try:
+        for line, code, reason in blocks(page):
+            if reason:
+                skipped.append(f"line {line}: {reason}")
+                continue
+            try:
+                exec(compile(code, f"{page}:{line}", "exec"), namespace)
+            except Exception as error:
+                raise AssertionError(f"{_page_id(page)}, the block at line {line} failed: {error!r}") from error
+    finally:
+        for handle in reversed(handles):  # a page's process-wide patches end with the page
+            if handle.active:
+                handle.remove()
     if skipped:
         print(f"{_page_id(page)}: not run: " + "; ".join(skipped))
+
+
+#: The enable functions whose patches outlive the call (a page may drop the handle, as users do).
+PATCHING = ("enable_packing", "enable_hidden_state_loss", "enable_chunked_loss", "enable_trl_heads")
+
+
+def _keep_handles(monkeypatch) -> list:
+    """Wrap model_patches' enable functions for one page; the handles they return, in order."""
+    import model_patches
+
+    handles: list = []
+    for name in PATCHING:
+        def keep(*args, _enable=getattr(model_patches, name), **kwargs):
+            handle = _enable(*args, **kwargs)
+            handles.append(handle)
+            return handle
+
+        monkeypatch.setattr(model_patches, name, keep)
+    return handles
 
 
 def test_not_run_markers_state_a_reason():
