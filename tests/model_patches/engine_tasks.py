@@ -61,9 +61,24 @@ def _apply(model: torch.nn.Module, patches: tuple[str, ...], stack: contextlib.E
             raise ValueError(f"unknown patch {name!r}")
 
 
+def _zero_config(stage: int, bf16: bool) -> dict[str, Any]:
+    """A DeepSpeed config for ``stage``; every parameter partitioned at stage 3, however small."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=False)
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": bf16},
+            "zero_optimization": zero}
+
+
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {name: p.detach().float().clone() for name, p in model.named_parameters()}
     return {
         name.replace("_checkpoint_wrapped_module.", ""):
             (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
@@ -72,9 +87,10 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsdp: Optional[dict] = None,
-          bf16: bool = False, steps: int = STEPS) -> dict[str, Any]:
+          bf16: bool = False, steps: int = STEPS, zero: Optional[int] = None) -> dict[str, Any]:
     """Train the tiny Llama with ``trainer`` (``"trainer"`` or ``"sft"``) and ``patches`` on ``world``
-    processes (``fsdp``: the ``fsdp_config`` of Accelerate's FSDP2, else no sharding)."""
+    processes (``fsdp``: the ``fsdp_config`` of Accelerate's FSDP2; ``zero``: a DeepSpeed ZeRO
+    stage; neither: no sharding)."""
     import torch.distributed as dist
 
     from tests.support import engines
@@ -98,17 +114,27 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
     )
     if fsdp is not None:
         settings.update(fsdp=True, fsdp_config={"version": 2, **fsdp})
+    if zero is not None:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        settings.update(use_cpu=False, deepspeed=_zero_config(zero, bf16))
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as out:
         _apply(model, patches, stack)
         if fsdp is not None:
             stack.enter_context(engines.accelerate_fsdp_on_cpu())
+        if zero is not None:
+            stack.enter_context(engines.accelerate_deepspeed_on_cpu())
         run = _trainer(trainer, model, out, settings, packing)
         run.train()
         losses = [row["loss"] for row in run.state.log_history if "loss" in row]
         wrapped = run.model_wrapped
         from torch.distributed.fsdp import FSDPModule
 
+        if zero is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         return {
+            "head_partitioned": getattr(run.model.lm_head.weight, "ds_numel", 0) > run.model.lm_head.weight.numel(),
             "losses": losses, "params": _full_params(run.model),
             "fsdp": isinstance(run.model, FSDPModule), "wrapper": type(wrapped).__name__,
             "distributed_type": str(run.accelerator.distributed_type),

@@ -69,3 +69,32 @@ def accelerate_fsdp_on_cpu() -> Iterator[None]:
         yield
     finally:
         AcceleratorState.__init__ = original
+
+
+@contextlib.contextmanager
+def accelerate_deepspeed_on_cpu() -> Iterator[None]:
+    """Within the block, Accelerate counts the launcher's processes when DeepSpeed runs on CPU.
+
+    Without an accelerator ``PartialState._prepare_backend`` picks ``DistributedType.NO`` when
+    ``cpu=False`` (DeepSpeed needs ``cpu=False``: with ``cpu=True`` Accelerate drops it), so
+    ``TrainingArguments.world_size`` is 1 while DeepSpeed's engine counts every process, and
+    Transformers refuses the batch sizes ("ds train_batch_size=4 vs hf train_batch_size
+    (calculated)=2"). The override makes that one decision ``MULTI_CPU`` with gloo where the
+    launcher set ``LOCAL_RANK``; Accelerate then turns it into ``DEEPSPEED`` as it does on an
+    accelerator. DeepSpeed runs on its own CPU accelerator (``DS_ACCELERATOR=cpu``)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+
+    def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: Any = None) -> Any:
+        chosen, kind = original(self, cpu, sagemaker_dp, backend)
+        if kind == DistributedType.NO and not cpu and int(os.environ.get("LOCAL_RANK", -1)) != -1:
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen, kind
+
+    PartialState._prepare_backend = _prepare_backend
+    try:
+        yield
+    finally:
+        PartialState._prepare_backend = original
