@@ -18,7 +18,9 @@ are enabled; otherwise the original forward runs as is (eval with a KV cache dec
 Keyword arguments reach the module untouched whatever their names (they are bound before
 ``checkpoint`` sees them). Hugging Face's own gradient checkpointing on a module in, around or
 under a wrapped one is refused with one message, whether it was enabled before
-``apply_policy`` or after (then at the next training forward). Caches: see :mod:`ac_policies.cache`.
+``apply_policy`` or after (then at the next training forward), and so is torch's
+``checkpoint_wrapper`` (Accelerate's FSDP activation checkpointing) anywhere in the model when
+the policy is applied, or around, on or under a wrapped module later. Caches: see :mod:`ac_policies.cache`.
 
 Under ``torch.compile`` a region whose modules carry a known net-zero context wrapper (the
 ``kernels`` package's ``use_kernelized_func``) is traced without dynamo's side-effect check, so
@@ -138,6 +140,33 @@ def double_checkpointing_error(fqn: str, module: nn.Module) -> ValueError:
     )
 
 
+def _checkpoint_wrapped(modules: list[nn.Module]) -> Optional[nn.Module]:
+    """The first of ``modules`` or of their children that is torch's ``checkpoint_wrapper`` (it keeps
+    the module it wraps as ``_checkpoint_wrapped_module``; Accelerate's FSDP activation
+    checkpointing and ``apply_activation_checkpointing`` wrap modules with it)."""
+    for m in modules:
+        if hasattr(m, "_checkpoint_wrapped_module"):
+            return m
+        for child in m._modules.values():
+            if child is not None and hasattr(child, "_checkpoint_wrapped_module"):
+                return child
+    return None
+
+
+def wrapper_checkpointing_error(wrapper: nn.Module) -> ValueError:
+    """The one message for a policy combined with torch's ``checkpoint_wrapper`` (Accelerate's FSDP
+    activation checkpointing)."""
+    inner = type(getattr(wrapper, "_checkpoint_wrapped_module", wrapper)).__name__
+    return ValueError(
+        f"activation checkpointing twice: {inner} is wrapped by torch's checkpoint_wrapper ({type(wrapper).__name__}, "
+        "what Accelerate's FSDP activation checkpointing and torch's apply_activation_checkpointing install) and an "
+        "ac_policies policy wraps modules in the same model, so they would be recomputed twice. Use one: to keep the "
+        "policy, turn Accelerate's off: fsdp_activation_checkpointing: false in the Accelerate config file, "
+        "fsdp_config={'activation_checkpointing': False} in TrainingArguments / SFTConfig, or "
+        "FullyShardedDataParallelPlugin(activation_checkpointing=False); or remove the policy with handle.remove()."
+    )
+
+
 def _related(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
     """Modules carrying an HF ``gradient_checkpointing`` flag: the module, its ancestors (closest
     first), then its descendants; the first one switched on names the double checkpointing."""
@@ -199,7 +228,16 @@ def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwa
     return _offloaded(module, orig, args, kwargs)
 
 
-def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]]) -> Callable:
+def _lineage(model: nn.Module, fqn: str) -> list[nn.Module]:
+    """The module, its ancestors and its descendants: where a ``checkpoint_wrapper`` around, on or
+    under it shows up (as one of them or as a child of one of them)."""
+    parts = fqn.split(".") if fqn else []
+    ancestors = [model.get_submodule(".".join(parts[:k])) for k in range(len(parts) - 1, -1, -1)]
+    return [*model.get_submodule(fqn).modules(), *ancestors]
+
+
+def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]],
+                  lineage: list[nn.Module]) -> Callable:
     action = row.action
     # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
     extra: dict[str, Any] = {}
@@ -215,6 +253,9 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list
         flagged = _hf_flagged(related)
         if flagged is not None:
             raise double_checkpointing_error(*flagged)
+        wrapper = _checkpoint_wrapped(lineage)
+        if wrapper is not None:
+            raise wrapper_checkpointing_error(wrapper)
         if action == "offload":
             return _run_offloaded(module, fqn, orig, args, kwargs)
         fn = cache_safe(module, fqn, region, args, kwargs) if has_cache(args, kwargs) else region
@@ -230,8 +271,10 @@ def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list
 def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) -> PolicyHandle:
     """Apply ``plan(model, policy, strict=strict)`` and return a handle that undoes it.
 
-    Refuses (ValueError, nothing changed) when the model already carries a policy or has
-    Hugging Face gradient checkpointing enabled: either would checkpoint modules twice.
+    Refuses (ValueError, nothing changed) when the model already carries a policy, has
+    Hugging Face gradient checkpointing enabled, or has a module wrapped by torch's
+    ``checkpoint_wrapper`` (Accelerate's FSDP activation checkpointing): each would checkpoint
+    modules twice.
     Apply before ``torch.compile`` and before FSDP2 ``fully_shard``.
     """
     p = plan(model, policy, strict=strict, _stacklevel=3)
@@ -242,6 +285,9 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
                 f"{type(model).__name__} already has an activation-checkpointing policy applied "
                 f"({fqn or '<root>'} -> {row.action}); call handle.remove() on it before applying another"
             )
+    wrapper = _checkpoint_wrapped(list(model.modules()))
+    if wrapper is not None:
+        raise wrapper_checkpointing_error(wrapper)
     related = {row.fqn: _related(model, row.fqn) for row in p.wrapped}
     for row in p.wrapped:
         flagged = _hf_flagged(related[row.fqn], training=False)
@@ -251,7 +297,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
     for row in p.wrapped:
         module = model.get_submodule(row.fqn)
         previous = module.__dict__.get("forward", _MISSING)
-        ours = _make_forward(module, row, module.forward, related[row.fqn])
+        ours = _make_forward(module, row, module.forward, related[row.fqn], _lineage(model, row.fqn))
         module.__dict__["forward"] = ours
         changes.append((module, row, previous, ours))
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)

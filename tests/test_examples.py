@@ -16,11 +16,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
-NEEDS = {"grpo_trl_heads.py": ("trl", "datasets"), "sft_trainer.py": ("accelerate",)}
+NEEDS = {"accelerate_fsdp2_trainer.py": ("accelerate",), "grpo_trl_heads.py": ("trl", "datasets"), "sft_trainer.py": ("accelerate",)}
 
 
 def test_every_example_is_listed():
-    assert EXAMPLES == ["distillation.py", "fsdp2_loop.py", "grpo_trl_heads.py", "pipeline_last_stage.py",
+    assert EXAMPLES == ["accelerate_fsdp2_trainer.py", "distillation.py", "fsdp2_loop.py", "grpo_trl_heads.py", "pipeline_last_stage.py",
                         "sft_trainer.py"]
 
 
