@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import os
 import subprocess
 import sys
@@ -54,6 +55,8 @@ TESTS = [
     "tests/model_patches/test_collator_leak.py",
 ]
 DEFAULT_K = "not flex_attention or llama"
+#: The files of a release run two at a time (pytest-xdist, from the test extra), one worker per core.
+XDIST = ["-n", "2", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
 
 
 def install(version: str) -> tuple[str, float]:
@@ -75,7 +78,7 @@ def run_tests(version: str, k: str) -> tuple[int, float]:
     check = "import transformers, sys; assert transformers.__version__ == sys.argv[1], transformers.__version__"
     subprocess.run([sys.executable, "-c", check, version], check=True, env=env, cwd=ROOT)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", k, *TESTS]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", k, *XDIST, *TESTS]
     rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     return rc, time.perf_counter() - t0
 

@@ -33,3 +33,11 @@ settings.register_profile(
 
 _default = "ci" if os.environ.get("CI", "").lower() == "true" else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
+
+# Under pytest-xdist (`-n 2`, as CI runs), each worker gets its share of the cores: two workers
+# with torch's default thread count each would oversubscribe a 2-core machine.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
