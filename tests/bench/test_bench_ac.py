@@ -76,7 +76,8 @@ def test_bench_ac_offload_refuses_without_cuda(capsys):
 def test_bench_ac_estimate_measures_each_case_in_its_own_process(monkeypatch):
     from bench import ac_estimate
 
-    monkeypatch.setattr(ac_estimate, "CASES", [("llama", "none", False), ("llama", "full", True)])
+    cases = [("llama", "none", False), ("llama", "full", True)]
+    monkeypatch.setattr(ac_estimate, "QUICK_CASES", cases)  # the quick run's cases (no --full here)
     args = argparse.Namespace(ac_estimate="on", ac_estimate_seq=256)
     tables, data = ac_estimate.run(args, tick=lambda msg: None)
     assert len(tables) == 1 and len(tables[0].rows) == 2
