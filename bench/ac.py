@@ -57,6 +57,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ac-sensitivity", choices=["on", "off"],
                        help="the table of other MoE shapes (default off, --full on)")
     ac_budgets.add_arguments(group)
+    ac_estimate.add_arguments(group)
 
 
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
@@ -236,8 +237,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                             for r in sens},
             "moe_selective_table": MOE_SELECTIVE_TABLE}
     budget_tables, data["budgets"] = ac_budgets.run(args, tick)
-    estimate_table, data["estimate"] = ac_estimate.run(args, tick)
-    return Section(name="ac: activation-checkpointing policies", tables=[table, table2, *budget_tables, estimate_table],
+    estimate_tables, data["estimate"] = ac_estimate.run(args, tick)
+    return Section(name="ac: activation-checkpointing policies", tables=[table, table2, *budget_tables, *estimate_tables],
                    data=data)
 
 

@@ -1,120 +1,122 @@
 """``ac`` section, estimate accuracy: ``ac_policies.estimate`` (fake tensors) against the same
 live-tensor accounting on the real step (``measure_step``) and against the process's resident set.
 
-For small dense, MoE and hybrid models at sequence 512: no policy, presets and a table ``fit``
-chose, the stock loss and the hidden-state loss. The resident-set check runs a plain step (no
-dispatch mode) after the optimizer state exists and compares the peak above that baseline with the
-estimate's peak less parameters, buffers and optimizer state (glibc serves blocks of 64 KiB or more
-by ``mmap``, so freed buffers leave the resident set).
+Dense, MoE and hybrid models at 32k vocabulary: no policy, presets and a table ``fit`` chose, the
+stock loss and the hidden-state loss; ``--full``: every case of :data:`CASES` at sequence 1024,
+quick: :data:`QUICK_CASES` at 512 (``--ac-estimate-seq`` sets the length). Every case runs in
+its own fresh process (:mod:`bench.ac_estimate_worker`, which defines the resident-set
+measurement), so no earlier measurement's freed or cached memory sits in its baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import warnings
+import json
+import subprocess
+import sys
 from typing import Any, Callable
 
-import torch
-
-import ac_policies
-from ac_policies.estimate import measure_step
-
+from .ac_estimate_worker import FIT_BUDGET, MARK, MMAP_THRESHOLD, child_env
+from .modes import is_full, pick
 from .report import Table, ratio
 
 MIB = 2**20
 #: (family, policy or "fit", hidden-state loss)
 CASES = [
     ("llama", "none", False), ("llama", "full", False), ("llama", "selective", True), ("llama", "fit", False),
+    ("llama", "full", True),
     ("qwen3_moe", "none", False), ("qwen3_moe", "non_moe", True), ("qwen3_moe", "selective", False),
     ("qwen3_next", "none", False), ("qwen3_next", "full", True),
 ]
-SIZES = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=4, head_dim=32, vocab_size=4096, max_position_embeddings=1024)
+QUICK_CASES = [CASES[0], CASES[3], CASES[6], CASES[9]]
+SIZES = dict(hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=32000,
+             max_position_embeddings=4096)
+#: |estimate / measured - 1| allowed: live tensors, resident set.
+TARGETS = {"live": 0.10, "rss": 0.15}
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ac-estimate", choices=["on", "off"], default="on",
+                       help="the estimate accuracy table, one process per case (default on)")
+    group.add_argument("--ac-estimate-seq", type=int,
+                       help="sequence length of the estimate accuracy table (default 512, --full 1024)")
+
+
+def _on(args: argparse.Namespace) -> bool:
+    return getattr(args, "ac_estimate", "on") == "on"
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    return (CASES if is_full(args) else QUICK_CASES) if _on(args) else []
 
 
 def count(args: argparse.Namespace) -> int:
-    return len(CASES)
+    return len(_cases(args))
 
 
-def _model(family: str) -> torch.nn.Module:
-    from tests.support.tiny_models import AC_FAMILIES
-    from model_patches.testing import tiny_causal_lm
-
-    return tiny_causal_lm(family, None, 0, sizes=SIZES, family_sizes=AC_FAMILIES, train=True).float()
-
-
-def _rss_step(model: torch.nn.Module, step: Callable) -> int:
-    """Resident-set peak of one plain step above the resident set once the optimizer state exists."""
-    from tests.support.rss_peak import peak_extra_bytes
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0, foreach=True)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    model.zero_grad(set_to_none=True)
-
-    def run() -> None:
-        loss = step(model)
-        loss.backward()
-        del loss
-        opt.step()
-
-    _, extra = peak_extra_bytes(run)
-    model.zero_grad(set_to_none=True)
-    return extra
+def run_case(family: str, policy: str, hidden_state: bool, seq: int, sizes: dict[str, Any] = SIZES,
+             timeout: float = 600.0) -> dict[str, Any]:
+    """One case in a fresh process (:mod:`bench.ac_estimate_worker`); ``{"error": ...}`` when it failed."""
+    spec = {"family": family, "policy": policy, "hidden_state": hidden_state, "seq": seq, "sizes": dict(sizes)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.ac_estimate_worker", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout, env=child_env())
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    return {**spec, "error": tail[0][:200]}
 
 
-def run(args: argparse.Namespace, tick: Callable[[str], None], seq: int = 512) -> tuple[Table, list[dict[str, Any]]]:
-    import model_patches
-
+def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Table], list[dict[str, Any]]]:
+    if not _on(args):
+        return [], []
+    seq = pick(args, getattr(args, "ac_estimate_seq", None), 512, 1024)
     rows, data = [], []
-    for family, policy, hidden in CASES:
+    for family, policy, hidden in _cases(args):
         tick(f"ac estimate {family} {policy}")
-        model = _model(family)
-        vocab = model.config.vocab_size
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (1, seq), generator=gen)
-
-        def step(m: torch.nn.Module) -> torch.Tensor:
-            x = torch.randint(0, vocab, (1, seq)) if isinstance(m.lm_head.weight, torch._subclasses.FakeTensor) else ids
-            return m(input_ids=x, labels=x).loss
-
-        handle = model_patches.enable_hidden_state_loss(model) if hidden else None
-        table = ac_policies.fit(model, step, 0.75, fake=True) if policy == "fit" else policy
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            applied = ac_policies.apply_policy(model, table) if table != "none" else None
-        est = ac_policies.estimate(model, step)
-        real = measure_step(model, step)
-        rss = _rss_step(model, step)
-        held = est.params + est.buffers + est.optimizer
-        for h in (applied, handle):
-            if h is not None:
-                h.remove()
-        rows.append([family, policy, "hidden-state" if hidden else "stock", est.peak / MIB, real.peak / MIB,
-                     ratio(est.peak, real.peak), (est.peak - held) / MIB, rss / MIB, ratio(est.peak - held, rss),
-                     est.peak_phase, est.peak_module])
-        data.append({"family": family, "policy": policy, "hidden_state": hidden, "estimated_peak": est.peak,
-                     "measured_peak": real.peak, "estimated_step_extra": est.peak - held, "rss_extra": rss,
-                     "peak_phase": est.peak_phase, "peak_module": est.peak_module})
+        r = run_case(family, policy, hidden, seq)
+        data.append(r)
+        loss = "hidden-state" if hidden else "stock"
+        if "error" in r:
+            rows.append([family, policy, loss, *[None] * 7, f"failed: {r['error']}", ""])
+            continue
+        rows.append([family, policy, loss, r["estimated_peak"] / MIB, r["measured_peak"] / MIB,
+                     ratio(r["estimated_peak"], r["measured_peak"]), r["estimated_step_extra"] / MIB,
+                     r["rss_extra"] / MIB, ratio(r["estimated_step_extra"], r["rss_extra"]),
+                     sum(r["seconds"].values()), r["peak_phase"], r["peak_module"]])
+    sizes = SIZES
     table = Table(
-        title=f"estimate (fake tensors) vs measured step peak, seq {seq}, AdamW, 1 process",
+        title=f"estimate (fake tensors) vs measured step peak, seq {seq}, AdamW, 1 process, each case its own process",
         columns=["family", "policy", "loss", "estimated peak (MiB)", "measured live peak (MiB)", "x measured",
-                 "estimated above params+opt (MiB)", "RSS peak above baseline (MiB)", "x RSS", "peak phase",
-                 "peak module"],
+                 "estimated above params+opt (MiB)", "RSS peak above baseline (MiB)", "x RSS", "case (s)",
+                 "peak phase", "peak module"],
         rows=rows, keys=3,
         baseline="measured: the same live-tensor accounting on the real step; RSS: a plain real step",
-        notes=["models: hidden 256, 2 layers, 8x32 query heads, 4 KV heads, vocab 4096, fp32, random init; "
-               "MoE: 4 experts top-2 (qwen3_moe, qwen3_next); qwen3_next alternates linear and full attention",
+        notes=[f"models: hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, "
+               f"{sizes['num_attention_heads']}x{sizes['head_dim']} query heads, {sizes['num_key_value_heads']} KV "
+               f"heads, MLP {sizes['intermediate_size']}, vocab {sizes['vocab_size']}, fp32, random init, sdpa; "
+               f"MoE: 4 experts of {sizes['moe_intermediate_size']} top-2 (qwen3_moe, qwen3_next); qwen3_next "
+               "alternates gated-delta-net and full attention",
                "peak = parameters + buffers + optimizer state + everything ops produce alive at once over "
-               "forward, backward and the AdamW (foreach) step; fit = ac_policies.fit(..., 0.75, fake=True)",
-               "RSS peak above baseline: resident-set high-water mark of a plain step (no dispatch mode) above "
-               "the resident set with parameters and optimizer state in place (targets: 10% live, 15% RSS)",
-               "FSDP2 (2 gloo processes) is checked in tests/ac_policies/test_estimate_fsdp.py",
-               "x RSS does not meet its 15% target yet: on this CPU the resident-set peak reads 20-30% below the "
-               "estimate and some rows read far off (0 or several times), i.e. the baseline taken after the "
-               "previous measurements is not clean; the live-tensor column is the one to trust"],
-        command="python -m bench --only ac",
+               "forward, backward and the AdamW (foreach) step; "
+               f"fit = ac_policies.fit(..., {FIT_BUDGET}, fake=True) (with the stock loss the logits and their "
+               "gradient hold most of the peak, which no policy reduces)",
+               "RSS peak above baseline = VmHWM over one plain step (no dispatch mode: forward, backward, "
+               "AdamW step) minus VmRSS at its start, in a fresh process per case, after a warm-up step "
+               "(optimizer state, first-call effects), gradients None, gc.collect() and malloc_trim(0); "
+               "compared with the estimated peak less parameters, buffers and optimizer state (resident at "
+               "the baseline)",
+               f"each case's process runs with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}: torch's CPU allocator "
+               "calls posix_memalign, so every block of 64 KiB or more is its own mapping, returned at free, "
+               "and the resident set follows live bytes",
+               f"targets: within {TARGETS['live']:.0%} of the live-tensor peak, {TARGETS['rss']:.0%} of the "
+               "resident-set peak; case (s) = estimate + RSS steps + measured step, wall time on this machine",
+               "FSDP2 (2 gloo processes) is checked in tests/ac_policies/test_estimate_fsdp.py; CUDA against "
+               "max_memory_allocated in bench/ac_estimate_cuda.py (bench/gpu_check.sh)"],
+        command="python -m bench --only ac" + (" --full" if is_full(args) else "") + f" --ac-estimate-seq {seq}",
     )
-    return table, data
+    return [table], data

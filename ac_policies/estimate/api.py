@@ -93,7 +93,8 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
 
     Raises:
         ValueError: a model in eval mode, a ``world_size`` that is not a positive int, an unknown
-        ``device`` or ``optimizer``. TypeError: ``step`` does not return a one-element tensor.
+            ``device`` or ``optimizer``.
+        TypeError: ``step`` does not return a one-element tensor.
     """
     _check(model, step, world_size)
     kind, size_of = _size_of(device)

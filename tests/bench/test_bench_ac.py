@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import pathlib
 
 import pytest
 
@@ -13,7 +15,7 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
     from bench import ac
 
     args = argparse.Namespace(ac_seq=32, ac_layers=1, ac_repeats=1, ac_time_budget=0.0, ac_sensitivity="on",
-                              ac_budgets="off", device="cpu")
+                              ac_budgets="off", ac_estimate="off", device="cpu")
     section = ac.run(args, tick=lambda msg: None)
     results = section.data["results"]
     for name, r in results.items():
@@ -68,3 +70,38 @@ def test_bench_ac_offload_refuses_without_cuda(capsys):
 
     assert ac_offload.main(["--layers", "1"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two child processes at sequence 256, each builds a 32k-vocabulary model: about a minute
+def test_bench_ac_estimate_measures_each_case_in_its_own_process(monkeypatch):
+    from bench import ac_estimate
+
+    cases = [("llama", "none", False), ("llama", "full", True)]
+    monkeypatch.setattr(ac_estimate, "QUICK_CASES", cases)  # the quick run's cases (no --full here)
+    args = argparse.Namespace(ac_estimate="on", ac_estimate_seq=256)
+    tables, data = ac_estimate.run(args, tick=lambda msg: None)
+    assert len(tables) == 1 and len(tables[0].rows) == 2
+    for r in data:
+        assert "error" not in r, r
+        assert abs(r["estimated_peak"] / r["measured_peak"] - 1) <= ac_estimate.TARGETS["live"], r
+        # a fresh process per case: the resident-set peak is the step's, not 0 or a leftover's
+        assert abs(r["estimated_step_extra"] / r["rss_extra"] - 1) <= ac_estimate.TARGETS["rss"], r
+    assert ac_estimate.run(argparse.Namespace(ac_estimate="off"), tick=lambda msg: None) == ([], [])
+
+
+def test_bench_ac_estimate_modules_do_not_import_the_tests_package():
+    root = pathlib.Path(__file__).resolve().parents[2] / "bench"
+    for name in ("ac_estimate.py", "ac_estimate_worker.py", "ac_estimate_cuda.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+        assert not [m for m in imported if m == "tests" or m.startswith("tests.")], name
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_bench_ac_estimate_cuda_refuses_without_cuda(capsys, tmp_path):
+    from bench import ac_estimate_cuda
+
+    assert ac_estimate_cuda.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
