@@ -51,6 +51,8 @@ def _apply(model: torch.nn.Module, patches: tuple[str, ...], stack: contextlib.E
     for name in patches:
         if name == "hidden_state_loss":
             model_patches.enable_hidden_state_loss(model)
+        elif name == "chunked_loss":
+            stack.callback(model_patches.enable_chunked_loss(model=model).remove)
         elif name == "trl_heads":
             stack.callback(model_patches.enable_trl_heads().remove)
         elif name == "packing":
