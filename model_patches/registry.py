@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from .calls import holding_cell
+from .calls import holder_of
 
 __all__ = [
     "PatchRecord",
@@ -270,7 +270,7 @@ class PatchHandle(Handle):
     def _undo(self) -> None:
         releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
         replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
-        stuck = [t for t in replaced if holding_cell(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]
+        stuck = [t for t in replaced if holder_of(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]
         if stuck:
             raise ValueError(
                 f"cannot remove {self!r}: {', '.join(stuck)} was replaced by other code after this "
@@ -294,7 +294,7 @@ class PatchHandle(Handle):
                 setattr(owner, attr, original)
                 logger.info("restored %s (%s)", target, record.name)
             else:  # the later code stays and now calls the original
-                holding_cell(current, replacement).cell_contents = original
+                holder_of(current, replacement)(original)
                 logger.info("unwrapped %s (%s) from under later code", target, record.name)
 
     def _describe(self) -> str:

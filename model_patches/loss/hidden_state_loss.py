@@ -153,9 +153,10 @@ class HiddenStateLossHandle(Handle):
     """Undo handle of :func:`enable_hidden_state_loss`; also a context manager.
 
     Removing twice is a no-op. If the model's ``forward`` was replaced after the patch (a
-    trainer or another library wrapping it, such as TRL's fused head), ``remove()`` takes the
-    patch out from under that code when it holds the patched forward in a closure (the usual
-    way of wrapping: it then calls the forward the patch wrapped); otherwise it raises
+    trainer or another library wrapping it, such as TRL's fused head or Accelerate's mixed
+    precision), ``remove()`` takes the patch out from under that code when it holds the patched
+    forward in a closure or a callable object, directly or down a ``__wrapped__`` chain (the usual
+    ways of wrapping: it then calls the forward the patch wrapped); otherwise it raises
     ``ValueError`` and changes nothing, since putting the original back would delete that code.
 
     The handle holds the model weakly: it never keeps the model alive, and when the model is
@@ -185,6 +186,11 @@ class HiddenStateLossHandle(Handle):
             )
         self._remove_companions()
         if unwrapped:  # the later code stays installed and now calls what this patch wrapped
+            # References the later code keeps on the model to what it wrapped (Accelerate's
+            # ``_original_forward``) now name what this patch wrapped, as without the patch.
+            for name, value in list(vars(model).items()):
+                if value is replacement:
+                    setattr(model, name, installed.below)
             logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
         elif installed.had_own:
             model.forward = installed.own

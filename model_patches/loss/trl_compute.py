@@ -2,6 +2,14 @@
 on :func:`functional_ce.linear_token_logprobs` and :func:`functional_ce.linear_distillation_loss`.
 
 :mod:`model_patches.loss.trl_heads` installs them in TRL's place; this module only computes.
+
+DeepSpeed ZeRO-3: TRL reads the partitioned head's weight inside the model's forward, which
+DeepSpeed's engine runs with its discovery of external parameters on: the read gathers the weight
+and registers it with the module whose forward is under way (the model), so ZeRO-3 releases it
+after that forward, gathers it again before that module's backward (where functional_ce's
+backward reads it) and reduces its gradient as for any parameter, once per step. A ZeRO-3 weight
+that no forward under way holds that way is refused (:func:`_zero3_weight_held`): it would be
+released before the backward.
 """
 
 from __future__ import annotations
@@ -20,16 +28,30 @@ __all__ = ["OPTIONAL_OUTPUTS", "routed_divergence", "routed_logprobs"]
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
+def _zero3_weight_held(weight: Any, who: str) -> None:
+    """Raise ``ValueError`` for a DeepSpeed ZeRO-3 parameter that no module forward under way owns
+    or holds as an external parameter (ZeRO-3 would not gather it again for the backward)."""
+    if getattr(weight, "ds_id", None) is None:
+        return
+    from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
+
+    # The stack's first entry is the engine's root, pushed once when the engine was built.
+    for module in FWD_MODULE_STACK[1:]:
+        if id(weight) in getattr(module, "_external_params", {}) or any(
+                p is weight for p in module.parameters(recurse=False)):
+            return
+    raise ValueError(
+        f"{who} on functional_ce got a DeepSpeed ZeRO-3 LM head weight (ds_id={weight.ds_id}, "
+        f"{weight.ds_status}) that no module forward under way holds, so ZeRO-3 would release it before "
+        "the backward. Call the model through its DeepSpeed engine (engine(**batch), as the trainers do), "
+        "or remove the enable_trl_heads handle to use TRL's own kernel"
+    )
+
+
 def _compute_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
     """``(weight, bias)`` in the dtype TRL computes in: the autocast dtype under autocast (then
     functional_ce casts all three), else the hidden states' (``cast_lm_head_to_fp32`` passes fp32
     hidden states with the model's bf16 head; TRL casts each weight chunk, this casts once)."""
-    if getattr(weight, "ds_id", None) is not None:
-        raise ValueError(
-            "TRL's fused LM head on functional_ce does not support DeepSpeed ZeRO-3 heads (the partitioned "
-            "weight is released after forward, and functional_ce's backward does not re-gather it). Remove "
-            "the enable_trl_heads handle to use TRL's own kernel under ZeRO-3"
-        )
     if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
         return weight, bias
     return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
@@ -46,6 +68,7 @@ def routed_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     outputs = tuple(outputs)
     entropy = "entropy" in outputs
     stats = tuple(name for name in OPTIONAL_OUTPUTS[1:] if name in outputs)
+    _zero3_weight_held(weight, "TRL's fused LM head")
     weight, bias = _compute_inputs(hidden, weight, bias)
     result = functional_ce.linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=float(temperature), softcap=final_logit_softcapping,
@@ -83,6 +106,7 @@ def routed_divergence(student_hidden_states: torch.Tensor, teacher_hidden_states
     return it).
     """
     loss_reached()
+    _zero3_weight_held(student_lm_head_weight, "TRL's chunked divergence")
     ws, bs = _full(student_lm_head_weight, student_lm_head_bias, student_hidden_states.dtype)
     wt, bt = _full(teacher_lm_head_weight, teacher_lm_head_bias, teacher_hidden_states.dtype)
     valid = completion_mask.reshape(-1) != 0

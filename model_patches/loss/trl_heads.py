@@ -35,8 +35,9 @@ into a plain tensor with ``weight.full_tensor()`` before it calls the kernel, so
 sees the gathered ``[V, H]`` weight on every process, as TRL's own does; it never sees the
 shards. To keep a vocabulary-sharded head sharded, compute the log-probs with
 :func:`model_patches.causal_lm_token_logprobs` (DTensor vocabulary-parallel in functional_ce)
-instead of TRL's fused head. DeepSpeed ZeRO-3 heads (TRL's kernel re-gathers the weight in its
-backward) are refused with a ``ValueError``.
+instead of TRL's fused head. A DeepSpeed ZeRO-3 head is routed too: TRL reads its partitioned
+weight inside the model's forward, where ZeRO-3 gathers it, and ZeRO-3 gathers it again for the
+backward (see :mod:`model_patches.loss.trl_compute`).
 """
 
 from __future__ import annotations

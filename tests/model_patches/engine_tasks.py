@@ -7,8 +7,8 @@ A run builds the seeded tiny Llama, applies the named patches, and trains ``step
 steps on the same rows in a fixed order (``train_sampling_strategy="sequential"``). On ``world``
 processes each takes ``batch // world`` rows of every global batch of ``batch`` rows, which is
 how Accelerate splits a sequential loader, so both runs see the same global batches. It returns
-the loss logged at each step, the parameters after the last step (full tensors) and what wrapped
-the model.
+the loss logged at each step, the parameters after the last step (full tensors), how many times the
+library's losses ran, and what wrapped the model.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def _apply(model: torch.nn.Module, patches: tuple[str, ...], stack: contextlib.E
     for name in patches:
         if name == "hidden_state_loss":
             model_patches.enable_hidden_state_loss(model)
+        elif name == "chunked_loss":
+            stack.callback(model_patches.enable_chunked_loss(model=model).remove)
         elif name == "trl_heads":
             stack.callback(model_patches.enable_trl_heads().remove)
         elif name == "packing":
@@ -86,6 +88,20 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _outside_forward(model: torch.nn.Module) -> Optional[str]:
+    """The message of the routed fused head called with ``model``'s head weight outside any forward
+    (under ZeRO-3: a partitioned weight nothing gathers for the backward), or None if it computes."""
+    from model_patches.loss.trl_compute import routed_logprobs
+
+    head = model.lm_head
+    try:
+        routed_logprobs(torch.zeros(2, head.in_features), head.weight, head.bias, torch.zeros(2, dtype=torch.long),
+                        1.0, 128)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsdp: Optional[dict] = None,
           bf16: bool = False, steps: int = STEPS, zero: Optional[int] = None) -> dict[str, Any]:
     """Train the tiny Llama with ``trainer`` (``"trainer"`` or ``"sft"``) and ``patches`` on ``world``
@@ -117,6 +133,9 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
     if zero is not None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         settings.update(use_cpu=False, deepspeed=_zero_config(zero, bf16))
+    from model_patches.loss import loss_use
+
+    calls = loss_use._REACHED[0]
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as out:
         _apply(model, patches, stack)
         if fsdp is not None:
@@ -126,6 +145,8 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
         run = _trainer(trainer, model, out, settings, packing)
         run.train()
         losses = [row["loss"] for row in run.state.log_history if "loss" in row]
+        calls = loss_use._REACHED[0] - calls
+        outside = _outside_forward(run.model) if "trl_heads" in patches else None
         wrapped = run.model_wrapped
         from torch.distributed.fsdp import FSDPModule
 
@@ -135,7 +156,7 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
             unset_hf_deepspeed_config()
         return {
             "head_partitioned": getattr(run.model.lm_head.weight, "ds_numel", 0) > run.model.lm_head.weight.numel(),
-            "losses": losses, "params": _full_params(run.model),
+            "losses": losses, "params": _full_params(run.model), "loss_calls": calls, "outside_forward": outside,
             "fsdp": isinstance(run.model, FSDPModule), "wrapper": type(wrapped).__name__,
             "distributed_type": str(run.accelerator.distributed_type),
         }

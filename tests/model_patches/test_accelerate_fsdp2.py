@@ -35,6 +35,7 @@ def _same_training(trainer: str, patches: tuple[str, ...], bf16: bool = False, p
     assert len(reference["losses"]) == engine_tasks.STEPS
     for rank, r in enumerate(results):
         assert r["fsdp"] and r["distributed_type"].endswith("FSDP"), (rank, r["wrapper"], r["distributed_type"])
+        assert r["loss_calls"] == reference["loss_calls"]  # the library's loss ran as often on each process
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), **tol)
         if bf16:
             continue
@@ -64,6 +65,12 @@ def test_accelerate_activation_checkpointing_with_a_policy_is_refused(pool, orde
 @pytest.mark.parametrize("patches", [(), ("packing",), ("policy",)], ids=["stock", "packing", "policy"])
 def test_trainer_each_patch(pool, patches):
     _same_training("trainer", patches, pool=pool)
+
+
+@pytest.mark.slow
+def test_trainer_chunked_loss(pool):
+    """The logits' loss routed through functional_ce.cross_entropy, on the FSDP2 root's logits."""
+    _same_training("trainer", ("chunked_loss", "packing"), pool=pool)
 
 
 @pytest.mark.slow

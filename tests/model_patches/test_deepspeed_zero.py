@@ -4,7 +4,8 @@ processes sharing one process group for the module, DeepSpeed on its CPU acceler
 Accelerate counts the processes of a DeepSpeed run on CPU as one; the test overrides that one
 decision (:func:`tests.support.engines.accelerate_deepspeed_on_cpu`). ZeRO-3 partitions every
 parameter (no persistence threshold), the LM head included. Each run must log the losses of the
-same training on one process without DeepSpeed and end with the same parameters.
+same training on one process without DeepSpeed and end with the same parameters; so must
+SFTTrainer with TRL's fused heads routed through functional_ce under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -38,7 +39,19 @@ def test_trainer_under_zero(pool, zero, patches):
                                        msg=lambda m: f"{name}: {m}")
 
 
-def test_trl_heads_refuse_a_zero3_head(pool):
+def test_sft_trainer_trl_heads_under_zero3(pool):
+    """TRL's fused head on functional_ce with the head partitioned: ZeRO-3 gathers it for the
+    kernel's forward and again for its backward (as an external parameter of the model's forward)."""
     pytest.importorskip("trl")
-    with pytest.raises(AssertionError, match="does not support DeepSpeed ZeRO-3 heads"):
-        pool.run(engine_tasks.train, (2,), "sft", ("trl_heads",), 2, None, False, 1, 3)
+    reference = engine_tasks.train(None, "sft", ("trl_heads",))
+    assert reference["loss_calls"] == engine_tasks.STEPS
+    results = pool.run(engine_tasks.train, (2,), "sft", ("trl_heads",), 2, None, False, engine_tasks.STEPS, 3)
+    for r in results:
+        assert r["wrapper"] == "DeepSpeedEngine" and r["head_partitioned"]
+        assert r["loss_calls"] == engine_tasks.STEPS  # the routed kernel, not TRL's own
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=1e-5)
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+        # outside any forward nothing would gather the partitioned weight for the backward: refused
+        assert "that no module forward under way holds" in r["outside_forward"]

@@ -122,6 +122,33 @@ def test_remove_takes_the_patch_out_from_under_a_closure_wrapper():
     assert not held.active
 
 
+def test_remove_after_trainer_bf16_takes_the_patch_out_from_under_accelerate_autocast(tmp_path):
+    """``Trainer(bf16=True)`` wraps the patched forward in Accelerate's autocast and fp32-output
+    wrappers (a callable object down a ``__wrapped__`` chain); removing the patch afterwards keeps
+    those wrappers and makes them call the model's own forward."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.support.trainers import token_rows
+
+    model = tiny_loss_model("llama")
+    handle = enable_hidden_state_loss(model)
+    patched = model.forward
+    rows = [{"input_ids": r, "labels": list(r)} for r in token_rows(4, 16)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
+                             bf16=True, report_to="none", save_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=rows).train()
+    assert model.__dict__["forward"] is not patched and model._original_forward is patched  # Accelerate's wrapper
+    handle.remove()
+    assert not handle.active and model._original_forward is not patched
+    batch = padded_batch()
+    out = model(**batch)  # a training call with labels: the model's own forward under bf16 autocast
+    assert out.logits is not None and out.logits.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = type(model).forward(model, **batch)
+    torch.testing.assert_close(out.logits, stock.logits.float())
+    torch.testing.assert_close(out.loss, stock.loss.float())
+
+
 # --- TRL ---------------------------------------------------------------------------------------
 
 
