@@ -1,6 +1,6 @@
 """Every loss patch, packing and an activation-checkpointing policy under Accelerate's FSDP2,
-through ``transformers.Trainer`` and TRL's ``SFTTrainer``, on 2 gloo processes sharing one
-process group for the module.
+through ``transformers.Trainer`` and TRL's ``SFTTrainer`` and ``GRPOTrainer``, on 2 gloo processes
+sharing one process group for the module.
 
 Accelerate takes its FSDP path only on an accelerator; on these CPU processes the test overrides
 its distributed-type decision and nothing else (:mod:`tests.support.engines` says what and why).
@@ -84,3 +84,29 @@ def test_sft_trainer(pool, patches):
 @pytest.mark.slow
 def test_trainer_bf16_mixed_precision(pool):
     _same_training("trainer", ("hidden_state_loss", "packing", "policy"), bf16=True, pool=pool)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patches", [("trl_heads",), ("trl_heads", "packing")], ids=["trl_heads", "with_packing"])
+def test_grpo_trainer(pool, patches):
+    """TRL's GRPOTrainer with its fused head routed through functional_ce (and the packing patch on
+    the rollouts' ``generate``): the same rollouts (forced: ``grpo_engine_tasks`` says why and
+    how), rewards, losses and parameters as one process without sharding."""
+    pytest.importorskip("trl")
+    from tests.model_patches import grpo_engine_tasks
+
+    reference = grpo_engine_tasks.train_grpo(None, patches, 1, None)
+    results = pool.run(grpo_engine_tasks.train_grpo, (2,), patches, 2, {})
+    logged = torch.tensor(reference["logged"])
+    assert logged.shape == (grpo_engine_tasks.STEPS, len(grpo_engine_tasks.LOGGED))
+    # Completions of every group differ in reward: non-zero advantages, losses and updates.
+    assert (logged[:, 0].abs() > 1e-3).all() and (logged[:, 2] > 0).all() and (logged[:, 3] == 0).all()
+    assert reference["loss_calls"] >= grpo_engine_tasks.STEPS
+    assert any(not torch.equal(value, reference["initial"][name]) for name, value in reference["params"].items())
+    for rank, r in enumerate(results):
+        assert r["fsdp"] and r["distributed_type"].endswith("FSDP"), (rank, r["wrapper"], r["distributed_type"])
+        assert r["loss_calls"] == reference["loss_calls"]  # the routed head ran as often on each process
+        torch.testing.assert_close(torch.tensor(r["logged"]), logged, **FP32)
+        assert set(r["params"]) == set(reference["params"])
+        for name, value in r["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], **FP32, msg=lambda m: f"{name}: {m}")
