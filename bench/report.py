@@ -28,6 +28,12 @@ class Table:
     #: timed steps, where it had several: the run-to-run noise ``--compare`` judges time ratios by.
     spread: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        wrong = [i for i, row in enumerate(self.rows) if len(row) != len(self.columns)]
+        if wrong:
+            raise ValueError(f"table {self.title!r}: row {wrong[0]} has {len(self.rows[wrong[0]])} cells for "
+                             f"{len(self.columns)} columns")
+
     def row_name(self, row: list[Any]) -> str:
         return " / ".join(str(c) for c in row[: self.keys])
 

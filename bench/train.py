@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .host_dtype import DtypeChoice, choose
@@ -90,6 +91,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "(parameters, gradients, optimizer state; default), or '6GiB' in all")
     group.add_argument("--train-context-limit", type=int, help=f"longest context probed (default {DEFAULT_LIMIT})")
     group.add_argument("--train-timeout", type=float, default=1800.0, help="seconds before a run counts as failed")
+    group.add_argument("--train-cache", type=Path, metavar="DIR",
+                       help="keep each run's result in DIR and reuse those already there for the same settings "
+                            "(resume an interrupted --full run; clear DIR after changing code)")
     group.add_argument("--train-dtype", choices=["bf16", "fp16", "fp32"],
                        help="fp32 weights and AdamW; bf16: Trainer(bf16=True) autocast (default: by host)")
     group.add_argument("--train-overrides", help="JSON config values over every model (tiny widths for tests)")
@@ -130,6 +134,11 @@ def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
     """fp32 on CPU (:data:`CPU_DTYPE`); on CUDA bf16 autocast over fp32 weights (``Trainer(bf16=True)``)."""
     on_cpu = str(getattr(args, "device", "cpu")).startswith("cpu")
     return {"train": choose(args, "--train-dtype", fixed=CPU_DTYPE if on_cpu else None)}
+
+
+COLUMNS = ["variant", "checkpointing", "loss max |diff| vs stock", "losses agree", "real tokens/s",
+           "x stock (tokens/s)", "peak above static (MiB)", "x stock (peak)", "peak phase",
+           "fwd / bwd / opt peak above step start (MiB)", "CUDA peak reserved (MiB)", "what holds the peak", "status"]
 
 
 def _variant_names(args: argparse.Namespace, model: str) -> list[str]:
@@ -188,7 +197,8 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
     results = {}
     for name in names:
         tick(f"train {model} {name}")
-        results[name] = run_variant(_spec(args, model, layers, VARIANTS[name], data), args.train_timeout)
+        results[name] = run_variant(_spec(args, model, layers, VARIANTS[name], data), args.train_timeout,
+                                    getattr(args, "train_cache", None))
     ok = [n for n in names if "error" not in results[n]]
     dtype = dtypes(args)["train"].dtype
     tol = LOSS_TOLERANCE[dtype]
@@ -197,7 +207,7 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
     for name in names:
         r = results[name]
         if "error" in r:
-            rows.append([name, VARIANTS[name].checkpointing] + [None] * 9 + [r["error"]])
+            rows.append([name, VARIANTS[name].checkpointing] + [None] * (len(COLUMNS) - 3) + [r["error"]])
             continue
         diff, agree = loss_agreement(results[ref]["losses"], r["losses"], tol) if ref else (None, None)
         agreement[name] = agree
@@ -240,10 +250,7 @@ def _model_tables(args: argparse.Namespace, model: str, full: bool, tick: Callab
     table = Table(
         title=f"train: {model}, {layers} layer{'s' if layers != 1 else ''}, Trainer"
               f"{' and SFTTrainer' if any(VARIANTS[n].trainer == 'sft' for n in names) else ''}, stock vs library",
-        columns=["variant", "checkpointing", "loss max |diff| vs stock", "losses agree", "real tokens/s",
-                 "x stock (tokens/s)", "peak above static (MiB)", "x stock (peak)", "peak phase",
-                 "fwd / bwd / opt peak above step start (MiB)", "CUDA peak reserved (MiB)", "what holds the peak",
-                 "status"],
+        columns=COLUMNS,
         rows=rows, command=_command(args, full), baseline=f"stock with the same checkpointing; losses: {ref}",
         notes=notes, spread=spread,
     )

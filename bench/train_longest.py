@@ -79,7 +79,8 @@ def longest_context_table(args: argparse.Namespace, model: str, layers: int, spe
         if (name, tokens) not in probes:
             tick(f"train context {model} {name} {tokens}")
             data = {"steps": 2, "context": tokens, "warmup": min(WARMUP_TOKENS, tokens)}
-            probes[(name, tokens)] = run_variant(spec_for(CONTEXT_PAIR[name], data), args.train_timeout)
+            probes[(name, tokens)] = run_variant(spec_for(CONTEXT_PAIR[name], data), args.train_timeout,
+                                                 getattr(args, "train_cache", None))
         return probes[(name, tokens)]
 
     def fits(name: str, tokens: int) -> bool:

@@ -15,10 +15,12 @@ from the same initial weights and seed. Judging:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from .measure import child_env
@@ -110,8 +112,28 @@ def loss_agreement(reference: list[float], losses: list[float], tol: float) -> t
     return (max(diffs) if diffs else 0.0), ok
 
 
-def run_variant(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run :mod:`bench.train_worker` with ``spec`` in a fresh process; its result, or ``{"error": ...}``."""
+def run_variant(spec: dict[str, Any], timeout: float, cache: Optional[Path] = None) -> dict[str, Any]:
+    """Run :mod:`bench.train_worker` with ``spec`` in a fresh process; its result, or ``{"error": ...}``.
+
+    With ``cache`` (a folder, ``--train-cache``), a result already stored there for the same spec is
+    returned without running, and a new successful result is stored: an interrupted ``--full`` run
+    resumes where it stopped. The key is the spec alone, so clear the folder after changing code.
+    """
+    stored = None
+    if cache is not None:
+        key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+        stored = Path(cache) / f"{key}.json"
+        if stored.exists():
+            logger.info("train: reusing %s for %s", stored, spec.get("model"))
+            return json.loads(stored.read_text())["result"]
+    result = _run(spec, timeout)
+    if stored is not None and "error" not in result:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        stored.write_text(json.dumps({"spec": spec, "result": result}))
+    return result
+
+
+def _run(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
         proc = subprocess.run([sys.executable, "-m", "bench.train_worker", json.dumps(spec)], capture_output=True,
                               text=True, timeout=timeout, env=child_env())
