@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from .ac_estimate_worker import build, make_step
+from .ac_estimate_worker import build, make_step, plain_step
 
 #: (family, policy, hidden-state loss)
 CASES = [("llama", "none", False), ("llama", "full", True), ("qwen3_moe", "non_moe", False)]
@@ -48,7 +48,6 @@ def check_case(family: str, policy: str, hidden_state: bool, seq: int,
     import model_patches
 
     import ac_policies
-    from ac_policies.estimate.trace import make_optimizer
 
     model = build(family, sizes).to(device="cuda", dtype=torch.bfloat16)
     step = make_step(model.config.vocab_size, seq)
@@ -58,14 +57,7 @@ def check_case(family: str, policy: str, hidden_state: bool, seq: int,
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
             handles.append(ac_policies.apply_policy(model, policy))
     est = ac_policies.estimate(model, step, device="cuda")
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw")
-
-    def one() -> None:
-        loss = step(model)
-        loss.backward()
-        del loss
-        opt.step()
-
+    one = plain_step(model, step)
     one()
     model.zero_grad(set_to_none=True)
     gc.collect()
@@ -83,7 +75,7 @@ def check_case(family: str, policy: str, hidden_state: bool, seq: int,
               "peak_phase": est.peak_phase, "peak_module": est.peak_module}
     for h in reversed(handles):
         h.remove()
-    del model, opt
+    del model, one
     gc.collect()
     torch.cuda.empty_cache()
     return result

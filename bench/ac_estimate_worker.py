@@ -99,9 +99,9 @@ def make_step(vocab: int, seq: int) -> Callable[[torch.nn.Module], torch.Tensor]
     return step
 
 
-def rss_step(model: torch.nn.Module, step: Callable) -> dict[str, int]:
-    """Resident-set peak of one plain step above the resident set after a warm-up step (see the
-    module's docs); also the baseline and what is resident after the step, less the baseline."""
+def plain_step(model: torch.nn.Module, step: Callable) -> Callable[[], None]:
+    """One training step of ``model`` as users run it (``step(model)``'s loss, its backward, an AdamW
+    step), with no dispatch mode around it; the optimizer is made once, here."""
     from ac_policies.estimate.trace import make_optimizer
 
     opt = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw")
@@ -112,6 +112,13 @@ def rss_step(model: torch.nn.Module, step: Callable) -> dict[str, int]:
         del loss
         opt.step()
 
+    return one
+
+
+def rss_step(model: torch.nn.Module, step: Callable) -> dict[str, int]:
+    """Resident-set peak of one plain step above the resident set after a warm-up step (see the
+    module's docs); also the baseline and what is resident after the step, less the baseline."""
+    one = plain_step(model, step)
     one()
     model.zero_grad(set_to_none=True)
     gc.collect()
