@@ -41,9 +41,11 @@ CACHE = ROOT / ".torch-matrix"
 RELEASES: dict[str, str] = {
     "2.15.0": "newest",
     "2.14.1": "previous",
-    "2.13.0": "main CI venv",
+    "2.13.0": "the floor; CI's main virtualenv",
+    "2.12.1": "below the floor",
     "2.6.0": "below the floor",
 }
+# The floor runs the whole suite in CI's main virtualenv (.ci/run); the matrix adds the newest.
 DEFAULT_RELEASES = ["2.15.0"]
 
 # CI's subset: the files that exercise what changes between torch releases (custom ops and their
@@ -51,8 +53,15 @@ DEFAULT_RELEASES = ["2.15.0"]
 # parallelism, FSDP2, pipelining, selective checkpointing and offload); --full runs the whole
 # default profile.
 DEFAULT_TESTS = [
-    "tests/functional_ce",
-    "tests/ac_policies",
+    "tests/functional_ce/test_linear_ce.py",              # custom ops, torch's F.linear_cross_entropy
+    "tests/functional_ce/test_ce_compile.py",             # custom ops under torch.compile
+    "tests/functional_ce/test_ce_vocab_parallel.py",      # DTensor, loss_parallel
+    "tests/functional_ce/test_token_losses_parallel.py",  # DTensor, FSDP2-sharded heads
+    "tests/functional_ce/test_pipeline_loss.py",          # torch.distributed.pipelining
+    "tests/model_patches/test_fsdp_causal_lm_loss.py",    # FSDP2 fully_shard
+    "tests/model_patches/test_packing_compile.py",        # compiled attention masks, fullgraph
+    "tests/ac_policies/test_ac_op_sac.py",                # selective checkpointing contexts
+    "tests/ac_policies/test_ac_compose.py",               # policies under torch.compile and FSDP2
 ]
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
