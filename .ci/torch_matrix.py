@@ -13,10 +13,11 @@ release asked for.
     python .ci/torch_matrix.py --releases 2.6.0 --tests tests/functional_ce -x
     python .ci/torch_matrix.py --releases 2.15.0 --install-only
 
-Options pytest knows (``-x``, ``--lf``, ``--maxfail=3``) are passed on to it. Releases other than
-2.13.0 and 2.14.1 come from PyPI as CUDA builds (2-3 GB with the nvidia libraries, pip's cache
-shares them between releases); they run on the CPU. pip's torch cap (a constraint file named in
-pip's configuration, where there is one) is lifted for these installs only.
+Tests run on 2 pytest-xdist processes by file (``--workers``), with ``CI=true`` and a compile
+cache per release. Options pytest knows (``-x``, ``--maxfail=3``) are passed on to it. torch comes
+from PyPI (a CUDA build, about 3 GB with the nvidia libraries; it runs on the CPU) unless pip's
+configuration names a local folder. pip's torch cap (a constraint file named in pip's
+configuration, where there is one) is lifted for these installs only.
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--full", action="store_true",
                       help="the whole default profile (pyproject's testpaths, not slow)")
     p.add_argument("-k", default=None, help="pytest -k expression")
-    p.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="pytest-xdist processes, --dist loadfile (default 0: one process)")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="pytest-xdist processes, --dist loadfile (default 2; 0: one process)")
     p.add_argument("--install-only", action="store_true",
                    help="create the virtualenvs, run nothing")
     args, extra = p.parse_known_args(argv)
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     for version in args.releases:
         if version in broken:
             continue
-        print(f"\n=== torch {version} ({RELEASES.get(version, '')}; {versions(version)}) ===", flush=True)
+        about = "; ".join(filter(None, [RELEASES.get(version), versions(version)]))
+        print(f"\n=== torch {version} ({about}) ===", flush=True)
         rows[version] = run_tests(version, tests, args.k, args.workers, extra)
     print(f"\ntests: {' '.join(tests) or 'the default profile'}"
           + (f"  -k {args.k!r}" if args.k else "") + (f"  {' '.join(extra)}" if extra else ""))
