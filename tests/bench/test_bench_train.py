@@ -194,7 +194,7 @@ def test_longest_context_table_searches_both_and_compares_at_stocks_longest(monk
 
     asked = []
 
-    def fake_run_variant(spec, timeout):
+    def fake_run_variant(spec, timeout, cache=None):
         tokens = spec["data"]["context"]
         assert spec["data"]["steps"] == 2 and spec["data"]["warmup"] == min(tl.WARMUP_TOKENS, tokens)
         library = spec["variant"]["hidden_loss"]

@@ -3,7 +3,7 @@
 Every value and gradient is compared with an fp64 reference computed from the models' own full
 logits (``model(**inputs).logits``, shifted as Transformers shifts labels); the distillation
 teacher stays frozen. One FSDP2 run (2 gloo processes) checks both functions on sharded models
-against unsharded copies, and the README's GRPO / GKD snippets are run as written.
+against unsharded copies, and the docs' GRPO / GKD snippets are run as written.
 """
 
 from __future__ import annotations
@@ -244,19 +244,22 @@ def test_wrapped_head_is_refused():
         model_patches.causal_lm_token_logprobs(model, **padded_batch())
 
 
-# ---------------------------------------------------------------- README snippets
+# ---------------------------------------------------------------- docs snippets
 
 
-def _readme_snippet() -> str:
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    found = re.search(r"### RL log-probs and distillation\n+```python\n(.*?)```", text, re.S)
-    assert found, "README.md has no python block under '### RL log-probs and distillation'"
+DOCS_PAGE = "docs/trainers.md"
+
+
+def _docs_snippet() -> str:
+    text = (pathlib.Path(__file__).resolve().parents[2] / DOCS_PAGE).read_text()
+    found = re.search(r"### A GRPO and a GKD loss on a model\n+```python\n(.*?)```", text, re.S)
+    assert found, f"{DOCS_PAGE} has no python block under '### A GRPO and a GKD loss on a model'"
     return found.group(1)
 
 
-def test_readme_grpo_and_gkd_snippets_run_and_match_the_references():
+def test_docs_grpo_and_gkd_snippets_run_and_match_the_references():
     namespace: dict = {}
-    exec(compile(_readme_snippet(), "README.md", "exec"), namespace)
+    exec(compile(_docs_snippet(), DOCS_PAGE, "exec"), namespace)
     model, teacher = tiny_loss_model("llama"), tiny_loss_model("qwen2", seed=1, **SMALL)
     batch = padded_batch()
     advantages = torch.tensor([1.0, -0.5])
