@@ -46,8 +46,24 @@ def all_gather_outputs(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def fsdp_peaks(mesh: Any, family: str, policy: str, hidden_state: bool, seq: int) -> dict[str, Any]:
+def prepared_model(family: str, policy: Any, hidden_state: bool, **overrides: Any) -> torch.nn.Module:
+    """A tiny ``family`` model (``tiny_ac_model``) with the hidden-state loss if asked and ``policy``
+    applied unless it is ``"none"``."""
     import model_patches
+
+    import ac_policies
+
+    model = tiny_ac_model(family, **overrides)
+    if hidden_state:
+        model_patches.enable_hidden_state_loss(model)
+    if policy != "none":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            ac_policies.apply_policy(model, policy)
+    return model
+
+
+def fsdp_peaks(mesh: Any, family: str, policy: str, hidden_state: bool, seq: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import ac_policies
@@ -55,13 +71,7 @@ def fsdp_peaks(mesh: Any, family: str, policy: str, hidden_state: bool, seq: int
 
     if mesh is None:
         return {}
-    model = tiny_ac_model(family, hidden_size=64, intermediate_size=128)
-    if hidden_state:
-        model_patches.enable_hidden_state_loss(model)
-    if policy != "none":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            ac_policies.apply_policy(model, policy)
+    model = prepared_model(family, policy, hidden_state, hidden_size=64, intermediate_size=128)
     vocab = model.config.vocab_size
     estimated = ac_policies.estimate(model, _fake_safe_step(vocab, seq), world_size=mesh.size())
     for layer in model.model.layers:

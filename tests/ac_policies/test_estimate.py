@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import ac_policies
-import model_patches
 from ac_policies.estimate import measure_step
+from tests.ac_policies.estimate_tasks import prepared_model
 from tests.support.tiny_models import tiny_ac_model
 
 SEQ = 64
@@ -29,14 +29,7 @@ def _step(vocab: int, seq: int = SEQ):
 
 
 def _prepared(family: str, policy, hidden_state: bool) -> torch.nn.Module:
-    model = tiny_ac_model(family)
-    if hidden_state:
-        model_patches.enable_hidden_state_loss(model)
-    if policy != "none":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            ac_policies.apply_policy(model, policy)
-    return model
+    return prepared_model(family, policy, hidden_state)
 
 
 CASES = [

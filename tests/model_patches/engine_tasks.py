@@ -107,20 +107,12 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
     """Train the tiny Llama with ``trainer`` (``"trainer"`` or ``"sft"``) and ``patches`` on ``world``
     processes (``fsdp``: the ``fsdp_config`` of Accelerate's FSDP2; ``zero``: a DeepSpeed ZeRO
     stage; neither: no sharding)."""
-    import torch.distributed as dist
-
     from tests.support import engines
 
-    os.environ.setdefault("FUNCTIONAL_CE_COMPILE", "0")
+    if not engines.enter_run(world, mesh is not None):
+        return None
     from tests.support.tiny_models import tiny_loss_model
 
-    if world > 1:
-        if mesh is None:
-            return None
-        engines.distributed_env(dist.get_rank(), world)
-    else:
-        engines.single_process_env()
-    engines.reset_accelerate()
     packing = "packing" in patches
     model = tiny_loss_model("llama")
     settings: dict[str, Any] = dict(

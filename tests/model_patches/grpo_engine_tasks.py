@@ -21,7 +21,6 @@ zero compares nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 from typing import Any, Optional
 
@@ -83,7 +82,6 @@ def train_grpo(mesh: Any, patches: tuple[str, ...], world: int = 1, fsdp: Option
     (``fsdp``: the ``fsdp_config`` of Accelerate's FSDP2; None: no sharding). Returns the logged
     ``LOGGED`` values of every step, the parameters before and after, the library's loss calls
     and what wrapped the model."""
-    import torch.distributed as dist
     import trl
     from datasets import Dataset
 
@@ -91,14 +89,8 @@ def train_grpo(mesh: Any, patches: tuple[str, ...], world: int = 1, fsdp: Option
     from tests.support import engines
     from tests.support.tiny_models import tiny_loss_model
 
-    os.environ.setdefault("FUNCTIONAL_CE_COMPILE", "0")
-    if world > 1:
-        if mesh is None:
-            return None
-        engines.distributed_env(dist.get_rank(), world)
-    else:
-        engines.single_process_env()
-    engines.reset_accelerate()
+    if not engines.enter_run(world, mesh is not None):
+        return None
     model = tiny_loss_model("llama")
     initial = _full_params(model)
     prompts = [" ".join(f"t{i}" for i in row) for row in token_rows(PROMPTS, PROMPT_LENGTH, seed=5)]

@@ -45,6 +45,23 @@ def reset_accelerate() -> None:
     PartialState._reset_state()
 
 
+def enter_run(world: int, joined: bool) -> bool:
+    """Set this process up for one trainer run on ``world`` processes: the launcher's variables
+    (or none on one process) and fresh Accelerate state, with functional_ce's eager maths.
+    False when ``world > 1`` and this process did not join the run's group (``joined``)."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("FUNCTIONAL_CE_COMPILE", "0")
+    if world > 1:
+        if not joined:
+            return False
+        distributed_env(dist.get_rank(), world)
+    else:
+        single_process_env()
+    reset_accelerate()
+    return True
+
+
 @contextlib.contextmanager
 def accelerate_fsdp_on_cpu() -> Iterator[None]:
     """Within the block, an ``AcceleratorState`` built with ``cpu=True`` on several processes and a
