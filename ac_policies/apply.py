@@ -167,14 +167,19 @@ def wrapper_checkpointing_error(wrapper: nn.Module) -> ValueError:
     )
 
 
-def _related(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
-    """Modules carrying an HF ``gradient_checkpointing`` flag: the module, its ancestors (closest
-    first), then its descendants; the first one switched on names the double checkpointing."""
+def _lineage(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
+    """The module, its ancestors (closest first), then its descendants, by name: where another
+    checkpointing mechanism around, on or under it shows up."""
     parts = fqn.split(".") if fqn else []
     chain = [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
     found = [(a, model.get_submodule(a)) for a in chain]
-    found += [(f"{fqn}.{n}" if fqn else n, m) for n, m in model.get_submodule(fqn).named_modules() if n]
-    return [(n, m) for n, m in found if hasattr(m, "gradient_checkpointing")]
+    return found + [(f"{fqn}.{n}" if fqn else n, m) for n, m in model.get_submodule(fqn).named_modules() if n]
+
+
+def _related(lineage: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``lineage`` carrying an HF ``gradient_checkpointing`` flag; the first one
+    switched on names the double checkpointing."""
+    return [(n, m) for n, m in lineage if hasattr(m, "gradient_checkpointing")]
 
 
 _offload_warned = False
@@ -226,14 +231,6 @@ def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwa
             _warn_offload_in_place(fqn, device)
         return orig(*args, **kwargs)
     return _offloaded(module, orig, args, kwargs)
-
-
-def _lineage(model: nn.Module, fqn: str) -> list[nn.Module]:
-    """The module, its ancestors and its descendants: where a ``checkpoint_wrapper`` around, on or
-    under it shows up (as one of them or as a child of one of them)."""
-    parts = fqn.split(".") if fqn else []
-    ancestors = [model.get_submodule(".".join(parts[:k])) for k in range(len(parts) - 1, -1, -1)]
-    return [*model.get_submodule(fqn).modules(), *ancestors]
 
 
 def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]],
@@ -288,7 +285,8 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
     wrapper = _checkpoint_wrapped(list(model.modules()))
     if wrapper is not None:
         raise wrapper_checkpointing_error(wrapper)
-    related = {row.fqn: _related(model, row.fqn) for row in p.wrapped}
+    lineages = {row.fqn: _lineage(model, row.fqn) for row in p.wrapped}
+    related = {fqn: _related(lineage) for fqn, lineage in lineages.items()}
     for row in p.wrapped:
         flagged = _hf_flagged(related[row.fqn], training=False)
         if flagged is not None:
@@ -297,7 +295,8 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
     for row in p.wrapped:
         module = model.get_submodule(row.fqn)
         previous = module.__dict__.get("forward", _MISSING)
-        ours = _make_forward(module, row, module.forward, related[row.fqn], _lineage(model, row.fqn))
+        ours = _make_forward(module, row, module.forward, related[row.fqn],
+                             [m for _, m in lineages[row.fqn]])
         module.__dict__["forward"] = ours
         changes.append((module, row, previous, ours))
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)
