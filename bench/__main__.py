@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import compare, report_folder
+from . import compare, isolated, report_folder
 from .host_dtype import DTYPE_NAMES, DtypeChoice
 from .report import Section, Table
 
@@ -152,6 +152,7 @@ def _planned(mod: object, args: argparse.Namespace) -> Optional[int]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    isolated.start()  # its imports overlap the sections' below
     mods = _available()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(mods).parse_args(argv)

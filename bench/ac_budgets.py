@@ -1,5 +1,6 @@
 """``ac`` section, memory budgets: ``ac_policies.fit`` next to the presets and to ``torch.compile``'s
-``activation_memory_budget``, at 0.5 / 0.7 / 0.9 of the step peak without checkpointing.
+``activation_memory_budget``, at 0.5 / 0.7 / 0.9 of the step peak without checkpointing (the quick
+run: 0.7 alone).
 
 One table per model (a dense Llama and the section's Qwen3-MoE, both hidden 256, batch 2). Every
 row is one training step (forward and backward of the causal-LM loss), measured after a warm-up
@@ -42,7 +43,9 @@ from .ac_model import build, model_config
 from .modes import override, pick
 from .report import Table, ratio
 
-BUDGETS = (0.5, 0.7, 0.9)
+#: Budgets as fractions of the step peak without checkpointing: --full, and the quick run's.
+FULL_BUDGETS = (0.5, 0.7, 0.9)
+QUICK_BUDGETS = (0.7,)
 BATCH = 2
 MIB = 2**20
 #: Presets measured per model kind (``non_moe`` needs a MoE block).
@@ -51,8 +54,10 @@ PRESETS = {"dense": ("full", "selective"), "moe": ("full", "selective", "non_moe
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ac-budgets", choices=["on", "off"], default="on",
-                       help="the tables of fit() and torch.compile's activation_memory_budget at 0.5/0.7/0.9 "
+                       help="the tables of fit() and torch.compile's activation_memory_budget at --ac-budgets-at "
                             "of the peak without checkpointing (default on)")
+    group.add_argument("--ac-budgets-at", type=lambda s: tuple(float(x) for x in s.split(",")), metavar="B,B",
+                       help="the budgets, as fractions of that peak (default 0.7; --full 0.5,0.7,0.9)")
     group.add_argument("--ac-budgets-seq", type=int,
                        help=f"sequence length of those tables (batch {BATCH}; default 64, --full 256)")
     group.add_argument("--ac-budgets-layers", type=int,
@@ -62,15 +67,17 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 def resolved(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the quick or full defaults of the budget tables' flags the user left unset."""
     return override(args, ac_budgets=getattr(args, "ac_budgets", None) or "on",
+                    ac_budgets_at=pick(args, getattr(args, "ac_budgets_at", None), QUICK_BUDGETS, FULL_BUDGETS),
                     ac_budgets_seq=pick(args, getattr(args, "ac_budgets_seq", None), 64, 256),
                     ac_budgets_layers=pick(args, getattr(args, "ac_budgets_layers", None), 2, 4))
 
 
 def count(args: argparse.Namespace) -> int:
     """Progress steps: per model, each eager row and each compiled one (budget 1.0 included)."""
-    if resolved(args).ac_budgets == "off":
+    args = resolved(args)
+    if args.ac_budgets == "off":
         return 0
-    return sum(1 + len(presets) + 2 * len(BUDGETS) + 1 for presets in PRESETS.values())
+    return sum(1 + len(presets) + 2 * len(args.ac_budgets_at) + 1 for presets in PRESETS.values())
 
 
 def llama_config(seq: int, layers: int) -> dict[str, Any]:
@@ -220,7 +227,7 @@ def _policy_cost(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch
     return {"peak": cost.peak, "flops": cost.recompute_flops}
 
 
-def measure_model(model: torch.nn.Module, ids: torch.Tensor, presets: tuple[str, ...],
+def measure_model(model: torch.nn.Module, ids: torch.Tensor, presets: tuple[str, ...], budgets: tuple[float, ...],
                   tick: Callable[[str], None], label: str) -> dict[str, dict[str, Any]]:
     """Every row of one model's table, as figures: ``peak`` (bytes), ``flops`` (recomputed),
     ``budget`` (bytes, budget rows), ``rules`` (fit rows), ``status``."""
@@ -236,7 +243,7 @@ def measure_model(model: torch.nn.Module, ids: torch.Tensor, presets: tuple[str,
     for preset in presets:
         tick(f"ac budgets {label}: {preset}")
         rows[preset] = {**_policy_cost(model, step, preset), "status": "ok"}
-    for b in BUDGETS:
+    for b in budgets:
         tick(f"ac budgets {label}: fit({b})")
         limit = int(b * peak0)  # as fit() reads a fractional budget
         try:
@@ -251,7 +258,7 @@ def measure_model(model: torch.nn.Module, ids: torch.Tensor, presets: tuple[str,
             rows[f"fit({b})"] = {**_policy_cost(model, step, policy), "budget": limit, "rules": len(policy.rules),
                                  "table": policy.to_dicts(), "status": "ok"}
     compiled: dict[float, dict[str, Any]] = {}
-    for b in (1.0, *BUDGETS):
+    for b in (1.0, *budgets):
         tick(f"ac budgets {label}: torch.compile budget {b}")
         try:
             compiled[b] = {**compiled_step(model, step, b), "status": "ok"}
@@ -278,8 +285,8 @@ def _table_rows(rows: dict[str, dict[str, Any]]) -> list[list[Any]]:
 
 
 def _command(args: argparse.Namespace) -> str:
-    opts = ["--ac-budgets-seq", str(args.ac_budgets_seq), "--ac-budgets-layers", str(args.ac_budgets_layers),
-            "--device", args.device]
+    opts = ["--ac-budgets-at", ",".join(map(str, args.ac_budgets_at)), "--ac-budgets-seq", str(args.ac_budgets_seq),
+            "--ac-budgets-layers", str(args.ac_budgets_layers), "--device", args.device]
     return "python -m bench --only ac " + " ".join(shlex.quote(a) for a in opts)
 
 
@@ -333,12 +340,13 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Tab
                 "(intermediate 128), vocab 1024", lambda: build(model_config(seq, layers), args.device)),
     }
     ids = torch.randint(2, 1024, (BATCH, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
-    tables, data = [], {"seq": seq, "layers": layers, "batch": BATCH, "budgets": list(BUDGETS), "models": {}}
+    tables, data = [], {"seq": seq, "layers": layers, "batch": BATCH, "budgets": list(args.ac_budgets_at),
+                      "models": {}}
     for kind, (name, desc, make) in models.items():
-        rows = measure_model(make(), ids, PRESETS[kind], tick, kind)
+        rows = measure_model(make(), ids, PRESETS[kind], args.ac_budgets_at, tick, kind)
         data["models"][kind] = rows
         tables.append(Table(
-            title=f"fit() and torch.compile activation_memory_budget at 0.5/0.7/0.9 of the peak: "
+            title=f"fit() and torch.compile activation_memory_budget at {'/'.join(map(str, args.ac_budgets_at))} of the peak: "
                   f"{name} ({layers} layers, {BATCH} x {seq} tokens, {args.device})",
             columns=["row", "step peak (MiB)", "x none", "budget (MiB)", "within budget", "recompute (GFLOP)",
                      "x full", "fit rules", "status"],

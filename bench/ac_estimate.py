@@ -11,14 +11,13 @@ measurement), so no earlier measurement's freed or cached memory sits in its bas
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from typing import Any, Callable
 
-from .ac_estimate_worker import FIT_BUDGET, MARK, MMAP_THRESHOLD, child_env
+from . import isolated
+from .ac_estimate_worker import FIT_BUDGET
 from .modes import is_full, pick
 from .report import Table, ratio
+from .rss import MMAP_THRESHOLD
 
 MIB = 2**20
 #: (family, policy or "fit", hidden-state loss)
@@ -28,7 +27,8 @@ CASES = [
     ("qwen3_moe", "none", False), ("qwen3_moe", "non_moe", True), ("qwen3_moe", "selective", False),
     ("qwen3_next", "none", False), ("qwen3_next", "full", True),
 ]
-QUICK_CASES = [CASES[0], CASES[3], CASES[6], CASES[9]]
+#: A dense model under a fitted table with the stock loss; a MoE model under a preset with the hidden-state loss.
+QUICK_CASES = [CASES[3], CASES[6]]
 SIZES = dict(hidden_size=256, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=32000,
              max_position_embeddings=4096)
@@ -57,18 +57,13 @@ def count(args: argparse.Namespace) -> int:
 
 def run_case(family: str, policy: str, hidden_state: bool, seq: int, sizes: dict[str, Any] = SIZES,
              timeout: float = 600.0) -> dict[str, Any]:
-    """One case in a fresh process (:mod:`bench.ac_estimate_worker`); ``{"error": ...}`` when it failed."""
+    """One case in a fresh process (:func:`bench.ac_estimate_worker.run`, :mod:`bench.isolated`);
+    ``{"error": ...}`` when it failed."""
     spec = {"family": family, "policy": policy, "hidden_state": hidden_state, "seq": seq, "sizes": dict(sizes)}
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.ac_estimate_worker", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout, env=child_env())
-    except subprocess.TimeoutExpired:
-        return {**spec, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    return {**spec, "error": tail[0][:200]}
+        return isolated.call("bench.ac_estimate_worker:run", spec, timeout=timeout)
+    except isolated.WorkerFailed as exc:
+        return {**spec, "error": str(exc)[:200]}
 
 
 def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Table], list[dict[str, Any]]]:

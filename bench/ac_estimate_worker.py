@@ -1,8 +1,7 @@
 """One case of the estimate accuracy table (:mod:`bench.ac_estimate`), in a fresh process.
 
-Run as ``python -m bench.ac_estimate_worker '<json spec>'`` (:func:`bench.ac_estimate.run_case`
-does that, with :func:`child_env`); the last line starting with ``BENCH-RESULT `` holds the result
-as JSON. The spec: ``family``, ``policy`` (a preset, ``"none"`` or ``"fit"``), ``hidden_state``
+:func:`bench.ac_estimate.run_case` runs :func:`run` in a fresh process (:mod:`bench.isolated`);
+``python -m bench.ac_estimate_worker '<json spec>'`` runs one by hand and prints the result as JSON. The spec: ``family``, ``policy`` (a preset, ``"none"`` or ``"fit"``), ``hidden_state``
 (the hidden-state loss), ``seq``, ``sizes`` (config values for every family). In order:
 
 1. ``ac_policies.estimate`` on fake tensors (``fit(..., FIT_BUDGET, fake=True)`` first for ``"fit"``);
@@ -17,7 +16,7 @@ Each case gets its own process so that nothing an earlier case freed, cached or 
 in the baseline. The resident set follows live bytes only when freed blocks go back to the
 kernel: torch's CPU allocator (``c10::alloc_cpu``) calls ``posix_memalign``, and glibc serves a
 block by ``mmap`` (returned at ``free``) from ``MALLOC_MMAP_THRESHOLD_`` up, which
-:func:`child_env` sets to 64 KiB (the default, 128 KiB, grows with every freed mapping, after
+:mod:`bench.isolated` sets to 64 KiB (the default, 128 KiB, grows with every freed mapping, after
 which freed activations stay in the heap).
 """
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
-import os
 import sys
 import time
 import warnings
@@ -34,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-MARK = "BENCH-RESULT "
-MMAP_THRESHOLD = 64 * 1024
+from .rss import reset_peak_rss, rss_bytes
+
 #: The budget of the ``"fit"`` cases: a fraction of the step peak without checkpointing.
 FIT_BUDGET = 0.95
 
@@ -49,31 +47,6 @@ FAMILY_SIZES: dict[str, dict[str, Any]] = {
                        linear_num_key_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
                        linear_conv_kernel_dim=4),
 }
-
-
-def child_env() -> dict[str, str]:
-    """This process's environment with the repository root on ``PYTHONPATH`` and glibc's mmap
-    threshold fixed at 64 KiB (see the module's docs)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    return env
-
-
-def rss_bytes(field: str) -> int:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    """Reset ``VmHWM`` to the resident set now (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def build(family: str, sizes: dict[str, Any]) -> torch.nn.Module:
@@ -164,4 +137,4 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(MARK + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    print(json.dumps(run(json.loads(sys.argv[1]))), flush=True)

@@ -25,7 +25,7 @@ import logging
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn

@@ -9,7 +9,7 @@ forward and in backward, one table per measured thing:
   - :mod:`bench.dist_fsdp_step`: an FSDP2 Llama's training step, its own loss or the library's;
   - :mod:`bench.dist_pipeline`: a 2-stage pipeline step, the last stage's ``loss_fn``.
 
-The quick run measures the two loss forms on 2 processes at N=1024; ``--full`` the memory targets
+The quick run measures the two loss forms on 2 processes at N=512; ``--full`` the memory targets
 of bench/RESULTS.md (logits [4096, 128256], hidden N=2048, H=512, V=32768) on 2 and 4 processes,
 the FSDP2 and pipeline steps, and the N sweep. The section's flags override either.
 
@@ -39,11 +39,11 @@ from .report import Section, Table, ratio, spreads
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--dist-shape", help="N,V of the logits form (default 1024,128256; --full 4096,128256, the "
+    group.add_argument("--dist-shape", help="N,V of the logits form (default 512,128256; --full 4096,128256, the "
                                             "memory target)")
     group.add_argument("--dist-dtype", choices=sorted(DTYPES),
                        help="logits dtype (default bf16 on every host: the logits form has no matmuls)")
-    group.add_argument("--dist-hidden-shape", help="N,H,V of the hidden-state form (default 1024,512,32768; --full "
+    group.add_argument("--dist-hidden-shape", help="N,H,V of the hidden-state form (default 512,512,32768; --full "
                                                    "2048,512,32768)")
     group.add_argument("--dist-hidden-dtype", choices=sorted(DTYPES),
                        help="hidden-state form dtype (default: bf16 on CUDA and on CPUs with bf16 matrix units, "
@@ -69,9 +69,9 @@ def dtypes(args: argparse.Namespace) -> dict[str, DtypeChoice]:
 def _resolved(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the quick or full defaults of the flags the user left unset."""
     chosen = dtypes(args)
-    return override(args, dist_shape=pick(args, args.dist_shape, "1024,128256", "4096,128256"),
+    return override(args, dist_shape=pick(args, args.dist_shape, "512,128256", "4096,128256"),
                     dist_dtype=chosen["dist logits"].dtype, dist_hidden_dtype=chosen["dist hidden"].dtype,
-                    dist_hidden_shape=pick(args, args.dist_hidden_shape, "1024,512,32768", "2048,512,32768"),
+                    dist_hidden_shape=pick(args, args.dist_hidden_shape, "512,512,32768", "2048,512,32768"),
                     dist_worlds=pick(args, args.dist_worlds, "2", "2,4"),
                     dist_models=pick(args, args.dist_models, "off", "on"))
 

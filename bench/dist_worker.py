@@ -1,4 +1,4 @@
-"""One rank of a ``dist`` bench measurement: ``python -m bench.dist_worker '<json>' RANK``.
+"""One rank of a ``dist`` bench measurement (:func:`run_rank`, in a process of its own).
 
 Every rank joins one process group (gloo on CPU, nccl on CUDA, rendezvous through a file),
 builds a 1-D device mesh over all ranks, and runs the variant's setup, which returns
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
-import sys
 from typing import Any, Callable
 
 import torch
@@ -24,8 +22,6 @@ import torch.distributed as dist
 from tests.support.comm_bytes import CommBytes
 
 from .measure import time_step
-
-MARK = "BENCH-RANK-RESULT "
 
 
 @dataclasses.dataclass
@@ -39,7 +35,8 @@ class RankMeasurement:
     spread: float | None = None
 
 
-def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
+def run_rank(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s :class:`RankMeasurement`, as a dict (the launcher needs no import of this module)."""
     world = spec["world_size"]
     cuda = spec["device"].startswith("cuda")
     if cuda:
@@ -63,9 +60,5 @@ def _run(spec: dict[str, Any], rank: int) -> RankMeasurement:
     by_op = {f"forward {k}": v for k, v in fwd.by_op.items()} | {f"backward {k}": v for k, v in bwd.by_op.items()}
     dist.barrier()
     dist.destroy_process_group()
-    return RankMeasurement(rank, timed.seconds, timed.peak_extra_bytes, fwd.bytes, bwd.bytes, by_op, timed.spread)
-
-
-if __name__ == "__main__":
-    result = _run(json.loads(sys.argv[1]), int(sys.argv[2]))
-    print(MARK + json.dumps(dataclasses.asdict(result)), flush=True)
+    return dataclasses.asdict(RankMeasurement(rank, timed.seconds, timed.peak_extra_bytes, fwd.bytes, bwd.bytes, by_op,
+                                              timed.spread))

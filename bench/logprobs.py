@@ -32,7 +32,8 @@ fp32 ``s = log_softmax(student / T)``, ``t = log_softmax(teacher / T)`` and
   - from logits: student logits ``[N, V]`` (require grad) and teacher logits ``[N, V]``; eager,
     compiled and ``functional_ce.distillation_loss``.
 
-Shapes: the default run is quick (N=1024, H=512, V=16384). ``--logprobs-full`` runs the target
+Shapes: the default run is quick (N=1024, H=512, V=16384; the log-prob and hidden-state
+distillation tables). ``--logprobs-full`` runs the target
 shapes: log-probs N=4096, H=1024, V=32768; distillation from hidden states N=1024 and N=2048,
 H=1024, V=32768; from logits N=4096, V=32768. ``--logprobs-n`` / ``-h`` / ``-v`` override either.
 With ``--plot``, each table is also measured over an N sweep (``--logprobs-sweep``; default
@@ -148,6 +149,8 @@ class Shapes:
 
 
 QUICK = {key: Shapes((1024,), 512, 16384, (256, 512, 1024)) for key in PROBLEMS}
+#: The tables of the quick run (``--logprobs-tables all`` adds distillation from logits).
+QUICK_TABLES = ("logprobs", "distill_hidden")
 FULL = {
     "logprobs": Shapes((4096,), 1024, 32768, (1024, 2048, 4096)),
     "distill_hidden": Shapes((1024, 2048), 1024, 32768, (512, 1024, 2048)),
@@ -171,11 +174,13 @@ def _names(text: str, known: Any, flag: str) -> Optional[set[str]]:
 
 def resolve_shapes(args: argparse.Namespace) -> dict[str, Shapes]:
     """The shapes of every wanted problem: the quick or full defaults, then the flags' overrides."""
-    wanted = _names(args.logprobs_tables, PROBLEMS, "--logprobs-tables")
+    full = args.logprobs_full or is_full(args)
+    tables = args.logprobs_tables or ("all" if full else ",".join(QUICK_TABLES))
+    wanted = _names(tables, PROBLEMS, "--logprobs-tables")
     given = {"ns": args.logprobs_n and _ints(args.logprobs_n), "h": args.logprobs_h, "v": args.logprobs_v,
              "sweep": args.logprobs_sweep and _ints(args.logprobs_sweep)}
     changes = {field: value for field, value in given.items() if value}
-    defaults = FULL if args.logprobs_full or is_full(args) else QUICK
+    defaults = FULL if full else QUICK
     return {k: dataclasses.replace(s, **changes) for k, s in defaults.items() if wanted is None or k in wanted}
 
 
@@ -203,8 +208,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                                                 "full: 1024,2048,4096, and 512,1024,2048 from hidden states)")
     group.add_argument("--logprobs-temperature", type=float, default=1.0, help="softmax temperature T")
     group.add_argument("--logprobs-repeats", type=int, default=1, help="timed steps per variant (median)")
-    group.add_argument("--logprobs-tables", default="all",
-                       help=f"comma-separated subset of {','.join(PROBLEMS)} (default all)")
+    group.add_argument("--logprobs-tables",
+                       help=f"comma-separated subset of {','.join(PROBLEMS)}, or all (default "
+                            f"{','.join(QUICK_TABLES)}; --full: all)")
     group.add_argument("--logprobs-variants", default="all",
                        help="comma-separated subset of variant names (the baseline always runs; default all)")
 

@@ -11,8 +11,9 @@ process warms the step up (compilation stays out of the timing), then measures:
   ``/proc/self/clear_refs``) minus the resident set before them (Linux only; glibc is told
   to map every block of 64 KiB or more on its own, so no freed memory is silently reused).
 
-Run as ``python -m bench.measure '<json>'``; :func:`measure` does that and parses the answer.
-:func:`time_step` is the measurement itself, in the calling process (each ``dist`` rank's too).
+:func:`measure` runs :func:`run_spec` in a fresh process (:mod:`bench.isolated`, which also sets
+glibc's threshold); ``python -m bench.measure '<json>'`` runs one by hand. :func:`time_step` is the
+measurement itself, in the calling process (each ``dist`` rank's too).
 """
 
 from __future__ import annotations
@@ -21,16 +22,13 @@ import dataclasses
 import gc
 import importlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Optional
 
-from tests.support.rss_peak import reset_peak_rss, rss_bytes
-
-_MARK = "BENCH-RESULT "
+from . import isolated
+from .rss import reset_peak_rss, rss_bytes
 
 
 @dataclasses.dataclass
@@ -53,38 +51,17 @@ class Measurement:
         return None if self.peak_extra_bytes is None else self.peak_extra_bytes / 2**20
 
 
-def child_env() -> dict[str, str]:
-    """The environment of a measuring child process: this one's, with glibc told to serve every
-    block >= 64 KiB by mmap and return it on free, so the resident set sees each transient buffer
-    (the default threshold adapts upward and would let freed warm-up memory hide later
-    allocations), a shared inductor cache, and the repository root on ``PYTHONPATH`` (bench reads
-    its memory and byte counters from ``tests.support``)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor"))
-    return env
-
-
 def measure(
     setup: str, kwargs: dict[str, Any], *, device: str = "cpu", warmup: int = 1, repeats: int = 3,
     timeout: float = 600.0,
 ) -> Measurement:
-    """Measure the variant ``setup`` (``"module:function"``) with ``kwargs`` in a fresh process."""
+    """Measure the variant ``setup`` (``"module:function"``) with ``kwargs`` in a fresh process
+    (:mod:`bench.isolated`)."""
     spec = {"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup, "repeats": repeats}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "bench.measure", json.dumps(spec)],
-            capture_output=True, text=True, timeout=timeout, env=child_env(),
-        )
-    except subprocess.TimeoutExpired:
-        return Measurement(error=f"timed out after {timeout:.0f} s")
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            return Measurement(**json.loads(line[len(_MARK):]))
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    return Measurement(error=tail[0][:200])
+        return isolated.call("bench.measure:run_spec", spec, timeout=timeout)
+    except isolated.WorkerFailed as exc:
+        return Measurement(error=str(exc)[:200])
 
 
 def time_step(step: Callable[[], Any], *, device: str, warmup: int, repeats: int,
@@ -126,7 +103,8 @@ def time_step(step: Callable[[], Any], *, device: str, warmup: int, repeats: int
     return Measurement(seconds=statistics.median(times), peak_extra_bytes=peak, spread=spread_of(times))
 
 
-def _run(spec: dict[str, Any]) -> Measurement:
+def run_spec(spec: dict[str, Any]) -> Measurement:
+    """What :func:`measure` runs in its child process."""
     module, name = spec["setup"].split(":")
     setup: Callable[..., Callable[[], Any]] = getattr(importlib.import_module(module), name)
     step = setup(device=spec["device"], **spec["kwargs"])
@@ -141,6 +119,5 @@ def spread_of(times: list[float]) -> Optional[float]:
     return (max(times) - min(times)) / mid if mid > 0 else None
 
 
-if __name__ == "__main__":
-    result = _run(json.loads(sys.argv[1]))
-    print(_MARK + json.dumps(dataclasses.asdict(result)), flush=True)
+if __name__ == "__main__":  # by hand: python -m bench.measure '{"setup": ..., "kwargs": ...}'
+    print(json.dumps(dataclasses.asdict(run_spec(json.loads(sys.argv[1])))), flush=True)

@@ -12,7 +12,7 @@ each measured above its own start. Every phase's peak is measured above that bas
 
 - CPU: the process's peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs`` at
   each phase start) minus the resident set at the baseline. The process runs with glibc's mmap
-  threshold at 64 KiB (``bench.measure.child_env``), so freed buffers leave the resident set.
+  threshold at 64 KiB (:mod:`bench.isolated`), so freed buffers leave the resident set.
 - CUDA: ``torch.cuda.max_memory_allocated()`` (reset at each phase start) minus what was
   allocated at the baseline, and ``max_memory_reserved()`` (the caching allocator's pool; absolute).
 
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from tests.support.rss_peak import reset_peak_rss, rss_bytes
+from .rss import reset_peak_rss, rss_bytes
 
 PHASES = ("forward", "backward", "optimizer")
 MIB = 2**20

@@ -18,17 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .measure import child_env
+from . import isolated
 from .train_sft import DESCRIPTIONS as SFT_DESCRIPTIONS
 from .train_sft import VARIANTS as SFT_VARIANTS
 from .train_sft import trl_available
 from .train_variant import Variant
-from .train_worker import MARK
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +132,6 @@ def run_variant(spec: dict[str, Any], timeout: float, cache: Optional[Path] = No
 
 def _run(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
-        proc = subprocess.run([sys.executable, "-m", "bench.train_worker", json.dumps(spec)], capture_output=True,
-                              text=True, timeout=timeout, env=child_env())
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    if proc.returncode < 0:
-        return {"error": f"killed by signal {-proc.returncode} (out of memory?)"}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-    return {"error": tail[0][:300]}
+        return isolated.call("bench.train_worker:run", spec, timeout=timeout)
+    except isolated.WorkerFailed as exc:
+        return {"error": str(exc)[:300]}

@@ -1,9 +1,9 @@
 """One ``train`` variant: a Hugging Face ``Trainer`` (or TRL ``SFTTrainer``) run in this process,
 measured per step.
 
-Run as ``python -m bench.train_worker '<json spec>'`` (:func:`run_variant` in ``bench.train``
-does that, with ``bench.measure.child_env``); the last line starting with ``BENCH-RESULT ``
-holds the result as JSON. The spec (see :func:`run`):
+:func:`bench.train_variants.run_variant` runs :func:`run` in a fresh process
+(:mod:`bench.isolated`); ``python -m bench.train_worker '<json spec>'`` runs one by hand and
+prints the result as JSON. The spec (see :func:`run`):
 
 - ``model``, ``layers``, ``overrides`` (config values, e.g. tiny widths), ``seed``, ``device``,
   ``dtype`` (``"fp32"``; ``"bf16"`` runs ``Trainer(bf16=True)``: autocast over fp32 weights);
@@ -46,7 +46,6 @@ from .train_meter import PhaseMeter, summarize
 from .train_models import build_model
 from .train_variant import Variant
 
-MARK = "BENCH-RESULT "
 
 
 def _batches(data: dict[str, Any], vocab: int, seed: int, packing: bool) -> list[dict[str, torch.Tensor]]:
@@ -224,20 +223,8 @@ def _device_name(device: str) -> str:
     return "cpu"
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
-    try:
-        result = run(spec)
-    except Exception as exc:  # reported to the parent as this variant's error
-        result = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-        print(MARK + json.dumps(result), flush=True)
-        raise
-    print(MARK + json.dumps(result), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        print("warning: run through bench.measure.child_env() so that freed memory leaves the resident set",
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("warning: without MALLOC_MMAP_THRESHOLD_=65536 (bench.rss) freed memory stays in the resident set",
               file=sys.stderr)
-    sys.exit(main(sys.argv[1:]))
+    print(json.dumps(run(json.loads(sys.argv[1]))), flush=True)

@@ -32,14 +32,15 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
 def test_bench_ac_budget_tables_fit_within_budget():
     from bench import ac_budgets
 
-    args = argparse.Namespace(ac_budgets_seq=32, ac_budgets_layers=2, device="cpu")
+    args = argparse.Namespace(ac_budgets_at=ac_budgets.FULL_BUDGETS, ac_budgets_seq=32, ac_budgets_layers=2, device="cpu")
     tables, data = ac_budgets.run(args, tick=lambda msg: None)
+    assert data["budgets"] == [0.5, 0.7, 0.9]
     assert [t.title.split(": ")[-1].split(" (")[0] for t in tables] == ["dense Llama", "Qwen3-MoE"]
     for table, kind in zip(tables, ("dense", "moe")):
         names = [row[0] for row in table.rows]
         presets = ["full", "selective"] + (["non_moe"] if kind == "moe" else [])
-        budgets = [f"fit({b})" for b in ac_budgets.BUDGETS]
-        compiled = [f"torch.compile budget={b}" for b in (1.0, *ac_budgets.BUDGETS)]
+        budgets = [f"fit({b})" for b in data["budgets"]]
+        compiled = [f"torch.compile budget={b}" for b in (1.0, *data["budgets"])]
         assert names == ["none", *presets, *budgets, *compiled]
         col = {c: i for i, c in enumerate(table.columns)}
         none = table.rows[0]

@@ -15,7 +15,7 @@ import pytest
 
 from bench import ce_hidden, host_dtype
 from bench.__main__ import _available, build_parser, main, section_dtypes
-from bench.measure import Measurement, _run
+from bench.measure import Measurement, run_spec
 
 #: torch's ``get_cpu_capability()`` values and the bf16 ones host_capability adds.
 NO_BF16_UNITS = ["AVX2", "AVX512", "NO AVX", "DEFAULT", "SVE256", "VSX", "Z VECTOR"]
@@ -183,7 +183,7 @@ class _Recorder:
                  **_: Any) -> Measurement:
         self.calls.append((setup, dict(kwargs)))
         if setup == "bench.ce_hidden:setup_eager" and not kwargs.get("compiled"):
-            return _run({"setup": setup, "kwargs": kwargs, "device": device, "warmup": 1, "repeats": 1})
+            return run_spec({"setup": setup, "kwargs": kwargs, "device": device, "warmup": 1, "repeats": 1})
         return Measurement(seconds=1e-3, peak_extra_bytes=0)
 
 

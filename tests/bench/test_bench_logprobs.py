@@ -39,7 +39,7 @@ def _expected(problem: logprobs.Problem, skip: tuple[str, ...] = ()) -> set[str]
 def _in_process(setup: str, kwargs: dict[str, Any], *, device: str = "cpu", warmup: int = 1, repeats: int = 3,
                 timeout: float = 600.0) -> bench_measure.Measurement:
     """``bench.measure.measure`` without the child process (what the child runs, in this one)."""
-    return bench_measure._run({"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup,
+    return bench_measure.run_spec({"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup,
                                "repeats": repeats})
 
 
@@ -58,10 +58,17 @@ def _check_rows(table: dict[str, Any], expected: set[str]) -> None:
         assert mem_ratio is None or (math.isfinite(mem_ratio) and mem_ratio >= 0), (name, mem_ratio)
 
 
+def test_quick_run_measures_two_tables_and_full_all_three():
+    assert list(logprobs.resolve_shapes(_parse([]))) == list(logprobs.QUICK_TABLES)
+    assert list(logprobs.resolve_shapes(_parse(["--logprobs-full"]))) == list(logprobs.PROBLEMS)
+    assert list(logprobs.resolve_shapes(_parse(["--logprobs-tables", "distill_logits"]))) == ["distill_logits"]
+    assert logprobs.count(_parse([])) == sum(len(logprobs.PROBLEMS[k].variants) for k in logprobs.QUICK_TABLES)
+
+
 def test_section_tables_hold_every_available_variant(monkeypatch):
     monkeypatch.setattr(logprobs, "measure", _in_process)
     others = [n for p in logprobs.PROBLEMS.values() for n in p.variants if n != logprobs.COMPILED]
-    args = _parse(TINY + ["--logprobs-variants", ",".join(dict.fromkeys(others))])
+    args = _parse(TINY + ["--logprobs-tables", "all", "--logprobs-variants", ",".join(dict.fromkeys(others))])
     section = logprobs.run(args, lambda text: None)
     tables = [t.to_json() for t in section.tables]
     assert len(tables) == len(logprobs.PROBLEMS)
@@ -124,7 +131,7 @@ def test_trl_kernels_agree_with_the_baseline_formulas():
 @pytest.mark.slow  # one child process per variant, three of them compiling: about a minute
 def test_section_end_to_end_with_compiled_variants(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "--only", "logprobs", *TINY, "--no-progress",
+    proc = subprocess.run([sys.executable, "-m", "bench", "--only", "logprobs", *TINY, "--logprobs-tables", "all", "--no-progress",
                            "--json", str(out), "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tables = json.loads(out.read_text())["sections"]["logprobs"]["tables"]

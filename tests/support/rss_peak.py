@@ -1,6 +1,5 @@
 """Peak resident memory of a call, in this process, for allocations no dispatch mode can see
-(inside inductor-compiled graphs); also the two readings ``bench.measure`` takes of its child
-processes (:func:`rss_bytes`, :func:`reset_peak_rss`).
+(inside inductor-compiled graphs), with the readings of :mod:`bench.rss`.
 
 glibc is told to serve every block of 64 KiB or more by ``mmap`` and to return it on ``free``,
 so each transient buffer shows in the resident set (what ``bench.measure`` does for its child
@@ -14,26 +13,11 @@ import ctypes
 import gc
 from typing import Any, Callable
 
+from bench.rss import reset_peak_rss, rss_bytes
+
+__all__ = ["peak_extra_bytes", "reset_peak_rss", "rss_bytes"]
+
 _M_MMAP_THRESHOLD = -3
-
-
-def rss_bytes(field: str) -> int:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current resident set; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _prepare() -> None:
