@@ -54,7 +54,7 @@ def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", choices=sorted(mods), help="run only these sections")
     p.add_argument("--full", action="store_true",
                    help="what bench/RESULTS.md reports: every target shape, 2 and 4 processes, the N sweeps and "
-                        "their plots (an hour or more on a 2-core CPU; the default run is quick, about 4 minutes)")
+                        "their plots (an hour or more on a 2-core CPU; the default run is quick, about 2.5 minutes)")
     p.add_argument("--out", type=Path, metavar="DIR",
                    help="the report folder: report.md, report.json and plots/ (default bench-reports/DATE_TIME)")
     p.add_argument("--compare", type=Path, metavar="OLD.json",
