@@ -17,6 +17,8 @@ timeout is raised in the caller as :class:`WorkerFailed`, with the reason.
     result = isolated.call("bench.train_worker:run", spec, timeout=600)
 
 :class:`Worker` starts a child without waiting for it (the ranks of a distributed measurement).
+As with every start method but ``fork``, a child imports the calling program's main module (as
+``__mp_main__``): a script that measures needs the ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-from multiprocessing import forkserver
 import os
 import signal
 import sys
 import tempfile
-import time
+from multiprocessing import forkserver
 from typing import Any, Optional
 
 from .rss import MMAP_THRESHOLD
@@ -171,14 +172,3 @@ def call(target: str, *args: Any, timeout: float, env: Optional[dict[str, str]] 
     """``target(*args)`` in a fresh child process; its return value, or :class:`WorkerFailed`."""
     return Worker(target, *args, env=env).result(timeout)
 
-
-def wait_all(workers: list[Worker], timeout: float) -> list[Any]:
-    """Every worker's result, within one shared ``timeout``; the first failure is raised after
-    the others are killed."""
-    deadline = time.monotonic() + timeout
-    try:
-        return [w.result(max(0.0, deadline - time.monotonic())) for w in workers]
-    except WorkerFailed:
-        for w in workers:
-            w.close()
-        raise

@@ -65,10 +65,3 @@ def test_the_child_output_stays_out_of_the_caller(capfd):
     isolated.call("builtins:print", "from the child", timeout=120)
     assert "from the child" not in capfd.readouterr().out
 
-
-def test_wait_all_kills_the_others_when_one_fails():
-    sleeper = isolated.Worker("time:sleep", 60)
-    failing = isolated.Worker("math:sqrt", -1.0)
-    with pytest.raises(isolated.WorkerFailed, match="math domain error"):
-        isolated.wait_all([failing, sleeper], timeout=120)
-    assert not sleeper.process.is_alive()
