@@ -114,6 +114,7 @@ TWELVE = [
 ]
 
 
+@pytest.mark.slow  # 24 compiled calls, about a minute on 2 cores cold; the compile ladder below runs by default
 def test_twelve_configurations_in_one_process_all_stay_compiled(monkeypatch, caplog):
     """More configurations than dynamo's recompile limit: every one correct and compiled, and the
     first ones are still served by their graphs after the last."""
