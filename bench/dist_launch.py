@@ -2,9 +2,9 @@
 
 Each rank runs :func:`bench.dist_worker.run_rank` in a fresh process (:mod:`bench.isolated`;
 gloo on CPU, one process per GPU with nccl on CUDA; a world larger than the GPU count is
-reported as skipped). The variant's measurement holds the
-largest figures over ranks: step time, peak extra memory and the bytes handed to collectives in
-forward and in backward, with every rank's own in ``extra["ranks"]``.
+reported as skipped). The variant's measurement holds the largest figures over ranks: step
+time, peak extra memory and the bytes handed to collectives in forward and in backward, with
+every rank's own in ``extra["ranks"]``.
 """
 
 from __future__ import annotations
