@@ -51,16 +51,12 @@ class WorkerFailed(RuntimeError):
 
 def measuring_env() -> dict[str, str]:
     """The variables every measuring process starts with, on top of this process's environment:
-    glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, see :mod:`bench.rss`), a shared inductor
-    cache, and the repository root on ``PYTHONPATH`` (for a process run as ``python -m``). A value
-    already set in the environment is kept."""
-    path = os.environ.get("PYTHONPATH")
+    glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, see :mod:`bench.rss`) and a shared inductor
+    cache. A value already set in the environment is kept."""
     return {
         "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
             "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "lean-llm-train-inductor")),
-        "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [path])]) if ROOT not in (path or "").split(os.pathsep)
-        else path,
     }
 
 

@@ -2,7 +2,7 @@
 (inside inductor-compiled graphs), with the readings of :mod:`bench.rss`.
 
 glibc is told to serve every block of 64 KiB or more by ``mmap`` and to return it on ``free``,
-so each transient buffer shows in the resident set (what ``bench.measure`` does for its child
+so each transient buffer shows in the resident set (what :mod:`bench.isolated` does for its child
 processes through ``MALLOC_MMAP_THRESHOLD_``); the kernel's high-water mark is reset before the
 call. Linux with glibc only: elsewhere the tests that use this skip.
 """
@@ -14,8 +14,6 @@ import gc
 from typing import Any, Callable
 
 from bench.rss import reset_peak_rss, rss_bytes
-
-__all__ = ["peak_extra_bytes", "reset_peak_rss", "rss_bytes"]
 
 _M_MMAP_THRESHOLD = -3
 
