@@ -28,7 +28,7 @@ checkpointing on top of a policy is refused; ``ac_policies.measure.step_bytes`` 
 step peak next to the bytes kept after forward.
 """
 
-from .apply import PolicyHandle, apply_policy
+from .apply import PolicyHandle, apply_policy, policy_of
 from .estimate import MemoryEstimate, estimate
 from .fit import FitEstimate, fit
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
@@ -60,6 +60,7 @@ __all__ = [
     "layers",
     "not_",
     "plan",
+    "policy_of",
     "predicate",
     "register_predicate",
     "resolve_policy",

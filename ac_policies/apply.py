@@ -29,9 +29,12 @@ it stays in one graph (see :mod:`ac_policies.compile_compat`).
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import logging
 import threading
+import types
 import warnings
 from typing import Any, Callable, Optional
 
@@ -40,61 +43,67 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import cache_safe, has_cache
-from .compile_compat import compile_safe
+from .compile_compat import call_region, side_effect_allowance
+from .double_checkpointing import (
+    double_checkpointing_error,
+    find_checkpoint_wrapper,
+    find_hf_flagged,
+    lineage,
+    trainer_checkpointing_argument,
+    with_hf_flag,
+    wrapper_checkpointing_error,
+)
 from .offload import default_offloader
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
 
-__all__ = ["apply_policy", "PolicyHandle", "applied_row"]
+__all__ = ["apply_policy", "PolicyForward", "PolicyHandle", "applied_row", "policy_of", "trainer_checkpointing_argument"]
 
 logger = logging.getLogger(__name__)
-
-_MARK = "_ac_policies_row"
-_MISSING = object()
 
 
 def applied_row(module: nn.Module) -> Optional[PlanRow]:
     """The plan row a module is currently wrapped for, or None."""
     fwd = module.__dict__.get("forward")
-    return getattr(fwd, _MARK, None)
+    return fwd.row if isinstance(fwd, PolicyForward) else None
 
 
 class PolicyHandle:
     """Undoes exactly what :func:`apply_policy` did; also a context manager.
 
-    ``plan`` is the :class:`~ac_policies.plan.Plan` that was applied; ``active`` is False
-    after :meth:`remove`. Removing twice is a no-op. If a wrapped module's ``forward`` was
-    replaced after the policy wrapped it, ``remove()`` raises ``ValueError`` and changes
-    nothing: putting the previous forward back would delete that later code.
+    ``plan`` is the :class:`~ac_policies.plan.Plan` that was applied; ``active`` is False after
+    :meth:`remove`, through this handle or another one for the same wrappers (from
+    :func:`policy_of`). Removing twice is a no-op. If a wrapped module's ``forward`` was
+    replaced after the policy wrapped it, ``remove()`` raises ``ValueError`` and changes nothing:
+    putting the previous forward back would delete that later code.
     """
 
-    def __init__(self, plan: Plan, changes: list[tuple[nn.Module, PlanRow, Any, Callable]]) -> None:
+    def __init__(self, plan: Plan, wrappers: list["PolicyForward"]) -> None:
         self.plan = plan
-        self._changes = changes
-        self._removed = False
+        self._wrappers = wrappers
 
     @property
     def active(self) -> bool:
         """True until :meth:`remove` succeeds."""
-        return not self._removed
+        return any(not w.removed for w in self._wrappers)
 
     def remove(self) -> None:
-        if self._removed:
+        if not self.active:
             return
-        for module, row, previous, ours in self._changes:
-            if module.__dict__.get("forward") is not ours:
+        for w in self._wrappers:
+            if not w.installed:
                 raise ValueError(
-                    f"cannot undo the policy on {row.fqn!r}: its forward was replaced after apply_policy; "
+                    f"cannot undo the policy on {w.row.fqn!r}: its forward was replaced after apply_policy; "
                     "remove the later patch first, then call handle.remove()"
                 )
-        for module, row, previous, ours in reversed(self._changes):
-            if previous is _MISSING:
-                del module.__dict__["forward"]
+        for w in reversed(self._wrappers):
+            if w.previous is None:
+                w.module.__dict__.pop("forward", None)
             else:
-                module.__dict__["forward"] = previous
-        self._removed = True
-        logger.info("ac_policies: removed %d wrapper(s)", len(self._changes))
+                w.module.__dict__["forward"] = w.previous
+            w.removed = True
+        logger.info("ac_policies: removed %d wrapper(s)", len(self._wrappers))
 
     def __enter__(self) -> "PolicyHandle":
         return self
@@ -104,82 +113,24 @@ class PolicyHandle:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
-        return f"<PolicyHandle {self.plan.policy.name or 'custom'}: {len(self._changes)} module(s), {state}>"
+        return f"<PolicyHandle {self.plan.policy.name or 'custom'}: {len(self._wrappers)} module(s), {state}>"
 
 
-def _hf_flagged(modules: list[tuple[str, nn.Module]], training: bool = True) -> Optional[tuple[str, nn.Module]]:
-    """The first module with Hugging Face gradient checkpointing switched on (and, if ``training``, in training mode)."""
-    for fqn, m in modules:
-        if getattr(m, "gradient_checkpointing", False) is True and (m.training or not training):
-            return fqn, m
-    return None
+def policy_of(obj: Any) -> Optional[PolicyHandle]:
+    """The handle of the policy applied to ``obj`` (a model, or anything whose attributes hold one,
+    such as a trainer), or None when no module of it is wrapped.
 
-
-def trainer_checkpointing_argument() -> str:
-    """The training argument that keeps ``Trainer.train()`` (and TRL's trainers) from turning
-    Hugging Face checkpointing on: ``activation_checkpointing`` where the installed Transformers'
-    ``TrainingArguments`` has it (5.25 among the tested releases; not 5.22 or 4.57), else
-    ``gradient_checkpointing``."""
-    import transformers
-
-    fields = getattr(transformers.TrainingArguments, "__dataclass_fields__", {})
-    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-
-
-def double_checkpointing_error(fqn: str, module: nn.Module) -> ValueError:
-    """The one message for a policy combined with Hugging Face's own gradient checkpointing."""
-    argument = trainer_checkpointing_argument()
-    return ValueError(
-        f"activation checkpointing twice: Hugging Face gradient checkpointing is enabled on {fqn or '<root>'} "
-        f"({type(module).__name__}) and an ac_policies policy wraps modules in or around it, so they would be "
-        "recomputed twice. Use one. Under transformers.Trainer or TRL's trainers, train() turns Hugging Face's "
-        f"checkpointing on from the training arguments: pass {argument}=False in TrainingArguments / SFTConfig "
-        "(TRL's configs default gradient_checkpointing to True; calling model.gradient_checkpointing_disable() "
-        f"before train() is undone by train()). Outside a trainer: model.{argument}_disable(). "
-        "Or remove the policy with handle.remove()."
-    )
-
-
-def _checkpoint_wrapped(modules: list[nn.Module]) -> Optional[nn.Module]:
-    """The first of ``modules`` or of their children that is torch's ``checkpoint_wrapper`` (it keeps
-    the module it wraps as ``_checkpoint_wrapped_module``; Accelerate's FSDP activation
-    checkpointing and ``apply_activation_checkpointing`` wrap modules with it)."""
-    for m in modules:
-        if hasattr(m, "_checkpoint_wrapped_module"):
-            return m
-        for child in m._modules.values():
-            if child is not None and hasattr(child, "_checkpoint_wrapped_module"):
-                return child
-    return None
-
-
-def wrapper_checkpointing_error(wrapper: nn.Module) -> ValueError:
-    """The one message for a policy combined with torch's ``checkpoint_wrapper`` (Accelerate's FSDP
-    activation checkpointing)."""
-    inner = type(getattr(wrapper, "_checkpoint_wrapped_module", wrapper)).__name__
-    return ValueError(
-        f"activation checkpointing twice: {inner} is wrapped by torch's checkpoint_wrapper ({type(wrapper).__name__}, "
-        "what Accelerate's FSDP activation checkpointing and torch's apply_activation_checkpointing install) and an "
-        "ac_policies policy wraps modules in the same model, so they would be recomputed twice. Use one: to keep the "
-        "policy, turn Accelerate's off: fsdp_activation_checkpointing: false in the Accelerate config file, "
-        "fsdp_config={'activation_checkpointing': False} in TrainingArguments / SFTConfig, or "
-        "FullyShardedDataParallelPlugin(activation_checkpointing=False); or remove the policy with handle.remove()."
-    )
-
-
-def _lineage(model: nn.Module, fqn: str) -> list[tuple[str, nn.Module]]:
-    """The module, its ancestors (closest first), then its descendants, by name: where another
-    checkpointing mechanism around, on or under it shows up."""
-    parts = fqn.split(".") if fqn else []
-    chain = [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
-    found = [(a, model.get_submodule(a)) for a in chain]
-    return found + [(f"{fqn}.{n}" if fqn else n, m) for n, m in model.get_submodule(fqn).named_modules() if n]
-
-
-def _related(lineage: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The modules of ``lineage`` carrying an HF ``gradient_checkpointing`` flag; the first one
-    switched on names the double checkpointing."""
-    return [(n, m) for n, m in lineage if hasattr(m, "gradient_checkpointing")]
+    Works on copies too: a deep copy or an unpickled copy of a model under a policy carries its own
+    wrappers, bound to its own modules, and this returns the handle that removes them (the
+    original's stay). The handle is built anew on each call from the wrappers found.
+    """
+    modules = list(obj.modules()) if isinstance(obj, nn.Module) else [
+        m for value in vars(obj).values() if isinstance(value, nn.Module) for m in value.modules()
+    ]
+    wrappers = [m.__dict__["forward"] for m in modules if isinstance(m.__dict__.get("forward"), PolicyForward)]
+    if not wrappers:
+        return None
+    return PolicyHandle(wrappers[0].plan, wrappers)
 
 
 _offload_warned = False
@@ -233,36 +184,119 @@ def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwa
     return _offloaded(module, orig, args, kwargs)
 
 
-def _make_forward(module: nn.Module, row: PlanRow, orig: Callable, related: list[tuple[str, nn.Module]],
-                  lineage: list[nn.Module]) -> Callable:
-    action = row.action
-    # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
-    extra: dict[str, Any] = {}
-    if action == "selective":
-        extra["context_fn"] = selective_context_fn(row.selective or SelectiveOps())
-    fqn = row.fqn
-    region = compile_safe(module, fqn, orig)
+class PolicyForward:
+    """The instance ``forward`` that :func:`apply_policy` installs on a module: the module's own
+    forward (or the instance forward that was there, ``previous``) inside the row's region.
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    It is an object, not a closure, so that it belongs to its module: ``copy.deepcopy`` of a model
+    (how TRL builds reference models, and EMA or teacher copies) gives each copied module a wrapper
+    of its own that runs the copy's weights, and pickling (``torch.save(model)``) stores and
+    restores it with the module. The modules around it (for the double-checkpointing checks) are
+    those of the copy where the copy holds them, and the ones under it are copied with it. A
+    ``previous`` forward that is a closure cannot be copied (it would keep calling the original's
+    code): copying refuses it with the reason.
+
+    Attributes:
+        module: the wrapped module; ``row``: its plan row; ``plan``: the whole plan;
+        ``previous``: the instance forward it replaced, or None (the class's forward);
+        ``removed``: whether a handle took it off.
+    """
+
+    def __init__(self, module: nn.Module, row: PlanRow, plan: Plan, previous: Any,
+                 around: list[tuple[str, nn.Module]], under: list[tuple[str, nn.Module]],
+                 allow: Optional[Callable[..., Any]]) -> None:
+        self.module, self.row, self.plan, self.previous = module, row, plan, previous
+        self.around, self.under, self.allow = around, under, allow
+        self.removed = False  # set by the handle that takes it off
+        # torch.compile traces checkpoint's context_fn only when one is given, so pass none for plain checkpoint
+        self._extra: dict[str, Any] = {}
+        if row.action == "selective":
+            self._extra["context_fn"] = selective_context_fn(row.selective or SelectiveOps())
+        # derived once: the HF flag check runs at every training forward
+        self._related = with_hf_flag([(row.fqn, module), *around, *under])
+        self._lineage = [module, *(m for _, m in around), *(m for _, m in under)]
+
+    @property
+    def installed(self) -> bool:
+        """Whether the module's ``forward`` is this wrapper now."""
+        return self.module.__dict__.get("forward") is self
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._below()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._below())
+
+    def _below(self) -> Callable[..., Any]:
+        """What this wrapper calls: ``previous``, else the class's forward bound to the module."""
+        if self.previous is not None:
+            return self.previous
+        return types.MethodType(type(self.module).forward, self.module)
+
+    def _call_below(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _region(self, /, *args: Any, **kwargs: Any) -> Any:
+        return call_region(self.allow, self._call_below, *args, **kwargs)
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        module, row = self.module, self.row
         # as Hugging Face does: no region in eval mode (cached decoding) or without gradients (no backward)
         if not (module.training and torch.is_grad_enabled()):
-            return orig(*args, **kwargs)
-        flagged = _hf_flagged(related)
+            return self._call_below(*args, **kwargs)
+        flagged = find_hf_flagged(self._related)
         if flagged is not None:
             raise double_checkpointing_error(*flagged)
-        wrapper = _checkpoint_wrapped(lineage)
+        wrapper = find_checkpoint_wrapper(self._lineage)
         if wrapper is not None:
             raise wrapper_checkpointing_error(wrapper)
-        if action == "offload":
-            return _run_offloaded(module, fqn, orig, args, kwargs)
-        fn = cache_safe(module, fqn, region, args, kwargs) if has_cache(args, kwargs) else region
+        if row.action == "offload":
+            return _run_offloaded(module, row.fqn, self._call_below, args, kwargs)
+        fn = cache_safe(module, row.fqn, self._region, args, kwargs) if has_cache(args, kwargs) else self._region
         # keyword arguments go to the module through a partial, never to checkpoint itself: names such as
         # `debug`, `early_stop`, `function` or `context_fn` would otherwise be taken as checkpoint options
-        return checkpoint(functools.partial(fn, **kwargs), *args, use_reentrant=False, preserve_rng_state=True, **extra)
+        return checkpoint(functools.partial(fn, **kwargs), *args, use_reentrant=False, preserve_rng_state=True,
+                          **self._extra)
 
-    functools.update_wrapper(forward, orig, updated=())
-    setattr(forward, _MARK, row)
-    return forward
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PolicyForward":
+        module = memo.get(id(self.module))
+        if module is None:
+            raise TypeError(
+                f"copy.deepcopy of the policy wrapper of {self.row.fqn or '<root>'!r} alone: it belongs to its "
+                "module; deep-copy the module (or the model) instead"
+            )
+        previous = copy.deepcopy(self.previous, memo)
+        _refuse_closure(previous, self.row.fqn, "copied")
+        # the modules around it are the copy's where the copy holds them (a copy of this subtree has no parents)
+        around = [(fqn, memo[id(m)]) for fqn, m in self.around if id(m) in memo]
+        new = PolicyForward(module, self.row, self.plan, previous, around, copy.deepcopy(self.under, memo), self.allow)
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        _refuse_closure(self.previous, self.row.fqn, "pickled")
+        return {k: getattr(self, k) for k in ("module", "row", "plan", "previous", "around", "under", "allow")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<PolicyForward {self.row.action} {self.row.fqn or '<root>'}>"
+
+
+def _refuse_closure(previous: Any, fqn: str, how: str) -> None:
+    """Refuse to copy a wrapper whose ``previous`` forward is a closure: a copy would call the original's code."""
+    if isinstance(previous, types.FunctionType) and previous.__closure__:
+        raise TypeError(
+            f"the module {fqn or '<root>'!r} cannot be {how} with its activation-checkpointing policy: the forward "
+            f"under the policy wrapper ({previous.__qualname__}) is a closure, which a copy would share with the "
+            "original and so run the original's module. Remove the policy (ac_policies.policy_of(model).remove()) "
+            "or the code that installed that forward before copying, then apply it to the copy"
+        )
 
 
 def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) -> PolicyHandle:
@@ -282,23 +316,23 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
                 f"{type(model).__name__} already has an activation-checkpointing policy applied "
                 f"({fqn or '<root>'} -> {row.action}); call handle.remove() on it before applying another"
             )
-    wrapper = _checkpoint_wrapped(list(model.modules()))
+    wrapper = find_checkpoint_wrapper(list(model.modules()))
     if wrapper is not None:
         raise wrapper_checkpointing_error(wrapper)
-    lineages = {row.fqn: _lineage(model, row.fqn) for row in p.wrapped}
-    related = {fqn: _related(lineage) for fqn, lineage in lineages.items()}
+    lineages = {row.fqn: lineage(model, row.fqn) for row in p.wrapped}
     for row in p.wrapped:
-        flagged = _hf_flagged(related[row.fqn], training=False)
+        flagged = find_hf_flagged(with_hf_flag(lineages[row.fqn]), training=False)
         if flagged is not None:
             raise double_checkpointing_error(*flagged)
-    changes: list[tuple[nn.Module, PlanRow, Any, Callable]] = []
+    wrappers: list[PolicyForward] = []
     for row in p.wrapped:
         module = model.get_submodule(row.fqn)
-        previous = module.__dict__.get("forward", _MISSING)
-        ours = _make_forward(module, row, module.forward, related[row.fqn],
-                             [m for _, m in lineages[row.fqn]])
+        depth = len(row.fqn.split(".")) + 1 if row.fqn else 1  # the module itself and its ancestors come first
+        around, under = lineages[row.fqn][1:depth], lineages[row.fqn][depth:]
+        ours = PolicyForward(module, row, p, module.__dict__.get("forward"), around, under,
+                             side_effect_allowance(module, row.fqn))
         module.__dict__["forward"] = ours
-        changes.append((module, row, previous, ours))
+        wrappers.append(ours)
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)
-    logger.info("ac_policies: applied %s to %s: %d module(s) wrapped", p.policy.name or "custom table", p.model_type, len(changes))
-    return PolicyHandle(p, changes)
+    logger.info("ac_policies: applied %s to %s: %d module(s) wrapped", p.policy.name or "custom table", p.model_type, len(wrappers))
+    return PolicyHandle(p, wrappers)

@@ -9,7 +9,7 @@ backward while a compiled graph cannot. The graph then breaks at every checkpoin
 
 The set/reset pair is net-zero (the variable holds the same value before and after the
 forward), and the compiled recompute never reads it, so not replaying it is safe. For a
-region whose modules carry such a wrapper, :func:`compile_safe` traces the region with dynamo's
+region whose modules carry such a wrapper, :func:`call_region` traces the region with dynamo's
 per-call side-effect allowance (``torch._dynamo.utils._disable_side_effect_safety_checks_for_current_subtracer``).
 Every other region keeps dynamo's check: a real side effect in a checkpointed forward still
 breaks the graph, and setting ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["NET_ZERO_WRAPPER_MODULES", "has_net_zero_wrapper", "compile_safe"]
+__all__ = ["NET_ZERO_WRAPPER_MODULES", "call_region", "has_net_zero_wrapper", "side_effect_allowance"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,15 @@ def _allowance() -> Optional[Callable[..., Any]]:
     return getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", None)
 
 
-def compile_safe(module: nn.Module, fqn: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, traced under torch.compile without dynamo's side-effect check when the region needs it.
+def side_effect_allowance(module: nn.Module, fqn: str) -> Optional[Callable[..., Any]]:
+    """The per-call allowance to trace ``module``'s region without dynamo's side-effect check, when
+    the region needs it (a net-zero wrapper inside) and this torch build has it; else None.
 
-    Returns ``fn`` itself for regions without a net-zero wrapper, and on torch builds that lack
-    the per-call allowance (the graph then breaks at this region, as it would without a policy).
+    None for regions without a net-zero wrapper, and on torch builds that lack the allowance (the
+    graph then breaks at this region, as it would without a policy; logged once here).
     """
     if not has_net_zero_wrapper(module):
-        return fn
+        return None
     allow = _allowance()
     if allow is None:
         logger.warning(
@@ -66,11 +67,11 @@ def compile_safe(module: nn.Module, fqn: str, fn: Callable[..., Any]) -> Callabl
             "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True to compile it whole.",
             fqn or "<root>", torch.__version__,
         )
-        return fn
+    return allow
 
-    def region(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return allow(fn, *args, **kwargs)
-        return fn(*args, **kwargs)
 
-    return region
+def call_region(allow: Optional[Callable[..., Any]], fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, through ``allow`` (from :func:`side_effect_allowance`) while compiling."""
+    if allow is not None and torch.compiler.is_compiling():
+        return allow(fn, *args, **kwargs)
+    return fn(*args, **kwargs)

@@ -110,6 +110,11 @@ class Plan(tuple):
         self.model_type = model_type
         return self
 
+    def __getnewargs_ex__(self) -> tuple[tuple, dict]:
+        # pickling and copying: the keyword-only fields go back through __new__
+        return (tuple(self),), dict(policy=self.policy, unmatched=self.unmatched, nested=self.nested,
+                                    moe_recomputed=self.moe_recomputed, model_type=self.model_type)
+
     @property
     def wrapped(self) -> tuple[PlanRow, ...]:
         return tuple(r for r in self if r.action in WRAPPING_ACTIONS)

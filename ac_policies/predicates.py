@@ -84,6 +84,18 @@ class Predicate:
     def __hash__(self) -> int:
         return hash(repr(self.spec)) if self.spec is not None else hash(self._fn)
 
+    def __deepcopy__(self, memo: dict) -> "Predicate":
+        return self  # immutable: a copied table or policy shares its predicates
+
+    def __reduce__(self) -> Any:
+        # the config form, rebuilt where it is loaded (built-in and combined predicates); a registered
+        # name is registered again with its function; a Python function without a name pickles as itself
+        if isinstance(self.spec, str) and self.spec not in _BUILTIN:
+            return register_predicate, (self.spec, self._fn)
+        if self.spec is not None:
+            return resolve_predicate, (self.spec,)
+        return Predicate, (self._fn, self.name, None)
+
 
 def predicate(fn: PredicateFn, name: Optional[str] = None) -> Predicate:
     """Wrap any ``(fqn, module) -> bool`` callable; it prints as ``name`` (default: its ``__name__``)."""
