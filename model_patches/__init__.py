@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "enable_trl_heads": "loss.trl_heads",
     "trl_heads_status": "loss.trl_heads",
     # what they return and raise
+    "handles": "model_handles",
     "PatchHandle": "registry",
     "HiddenStateLossHandle": "loss.hidden_state_loss",
     "StatusRow": "registry",

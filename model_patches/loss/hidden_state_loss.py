@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import typing
+import types
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -53,10 +53,17 @@ from .causal_lm_parts import (
 )
 from .forward_keywords import as_keywords, model_keywords, refuse_unknown_keywords
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
-from .model_scope import ReleaseWithModel
+from .model_scope import ModelScope, ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
 
-__all__ = ["VERIFIED_MODEL_TYPES", "HiddenStateLossHandle", "causal_lm_loss", "enable_hidden_state_loss"]
+__all__ = [
+    "VERIFIED_MODEL_TYPES",
+    "HiddenStateLossForward",
+    "HiddenStateLossHandle",
+    "causal_lm_loss",
+    "enable_hidden_state_loss",
+    "live_patches",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -141,12 +148,101 @@ def _loss_from_decoder(
     return inside_call(head, head_loss) if is_fsdp_module(head) else head_loss()
 
 
-class _Installed(typing.NamedTuple):
-    """What the patched forward replaced (kept on it, so the handle holds no reference to the model)."""
+class HiddenStateLossForward:
+    """The instance ``forward`` that :func:`enable_hidden_state_loss` installs: the loss from hidden
+    states in training calls with labels, the forward it replaced otherwise.
 
-    had_own: bool  # the instance had its own ``forward`` in ``__dict__``
-    own: Any  # that forward, else None
-    below: Any  # what the patched forward calls: the model's forward before the patch
+    It is an object that belongs to its model, not a closure over it: ``copy.deepcopy`` of the model
+    (TRL's reference models, EMA and teacher copies) gives the copy a patch of its own, bound to the
+    copy's weights, with its own call watch, its own refusal of TRL's kernels and its own handle
+    (:func:`model_patches.handles`); pickling (``torch.save(model)``) stores it with the model and
+    re-creates the same in the process that loads it (with this library installed). Removing one
+    model's patch never touches the other's. A forward under the patch that is a closure (code
+    installed before the patch that calls the original model) cannot be copied: copying refuses it.
+
+    Attributes:
+        model: the patched model; ``options``: ``chunk_size`` and ``compile_chunks``;
+        ``had_own`` / ``own``: whether the model had its own instance ``forward`` and which;
+        ``scope``, ``watch``: the call scope of the TRL refusal and the loss-use watch (forward
+        hooks on the model, copied with it); ``handle``: the undo handle (made again in each copy).
+    """
+
+    def __init__(self, model: nn.Module, options: dict[str, Any], had_own: bool, own: Any,
+                 scope: ModelScope, watch: LossUseWatch) -> None:
+        self.model, self.options, self.had_own, self.own = model, options, had_own, own
+        self.scope, self.watch = scope, watch
+        self._signature: Optional[inspect.Signature] = None
+        self._known: Optional[frozenset] = None
+        refusal = refuse_unrouted_trl_heads(
+            f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
+            f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
+            model=model, scope=scope,
+        )
+        self.handle = HiddenStateLossHandle(model, self, (scope, refusal, watch))
+        _LIVE.add(self)
+
+    def below(self) -> Any:
+        """What the patch calls outside its loss path: the forward it replaced."""
+        return self.own if self.had_own else types.MethodType(type(self.model).forward, self.model)
+
+    @property
+    def __wrapped__(self) -> Any:
+        return self.below()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the model's own signature: Trainer reads it to keep the batch's columns and to decide
+        # whether to pass num_items_in_batch
+        if self._signature is None:
+            self._signature = inspect.signature(self.below())
+        return self._signature
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if args:
+            kwargs = as_keywords(self.__signature__, args, kwargs)
+        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if not (has_labels and model.training and torch.is_grad_enabled()):
+            return self.below()(**kwargs)
+        if self._known is None:
+            self._known = model_keywords(module_class(model))
+        refuse_unknown_keywords(model, self._known, kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        _IN_MODEL_CALL.active = True
+        try:
+            loss = causal_lm_loss(model, **self.options, **kwargs)
+        finally:
+            _IN_MODEL_CALL.active = False
+        if return_dict is False:
+            return (loss,)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if isinstance(self.own, types.FunctionType) and self.own.__closure__:
+            raise TypeError(
+                f"{type(self.model).__name__} cannot be copied with enable_hidden_state_loss on it: the forward "
+                f"under the patch ({self.own.__qualname__}) is a closure, which a copy would share with the original "
+                "and so run the original's weights. Remove the patch (model_patches.handles(model)) or that code "
+                "before copying, then enable it on the copy"
+            )
+        return {k: getattr(self, k) for k in ("model", "options", "had_own", "own", "scope", "watch")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<HiddenStateLossForward of {type(self.model).__name__}>"
+
+
+#: Every patch installed and not yet collected (weakly held: a patch lives as long as its model).
+_LIVE: "weakref.WeakSet[HiddenStateLossForward]" = weakref.WeakSet()
+
+
+def live_patches() -> list[HiddenStateLossForward]:
+    """The patches whose handle is active, on models not yet garbage-collected."""
+    return [p for p in list(_LIVE) if p.handle.active]
 
 
 class HiddenStateLossHandle(Handle):
@@ -161,12 +257,13 @@ class HiddenStateLossHandle(Handle):
 
     The handle holds the model weakly: it never keeps the model alive, and when the model is
     garbage-collected it removes itself (the refusal of TRL's kernels for that model goes with it).
+    A copy of the model has a handle of its own (:func:`model_patches.handles`).
     """
 
-    def __init__(self, model: nn.Module, replacement: Any, companions: Sequence[Handle] = ()) -> None:
+    def __init__(self, model: nn.Module, replacement: HiddenStateLossForward, companions: Sequence[Handle] = ()) -> None:
         self._model, self._replacement = weakref.ref(model), weakref.ref(replacement)
         self._name = type(model).__name__
-        # the call watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
+        # the call scope and watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
         self._companions = [*companions, ReleaseWithModel(model, self)]
 
     def _undo(self) -> None:
@@ -175,8 +272,8 @@ class HiddenStateLossHandle(Handle):
             self._remove_companions()
             return
         top = model.__dict__.get("forward")
-        installed: _Installed = replacement._hidden_state_loss
-        unwrapped = top is not replacement and unwrap_from_under(top, replacement, installed.below)
+        below = replacement.below()
+        unwrapped = top is not replacement and unwrap_from_under(top, replacement, below)
         if top is not replacement and not unwrapped:
             raise ValueError(
                 f"cannot remove {self!r}: {self._name}.forward was replaced by other code "
@@ -190,10 +287,10 @@ class HiddenStateLossHandle(Handle):
             # ``_original_forward``) now name what this patch wrapped, as without the patch.
             for name, value in list(vars(model).items()):
                 if value is replacement:
-                    setattr(model, name, installed.below)
+                    setattr(model, name, below)
             logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
-        elif installed.had_own:
-            model.forward = installed.own
+        elif replacement.had_own:
+            model.forward = replacement.own
         else:
             model.__dict__.pop("forward", None)
 
@@ -249,49 +346,16 @@ def enable_hidden_state_loss(
     if getattr(model.config, "output_router_logits", False):
         refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
                 "loss, which this function does not add", "Set config.output_router_logits=False")
-    if getattr(model.__dict__.get("forward"), "_hidden_state_loss", False):
+    if any(p.model is model for p in live_patches()):
         raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
-                         "handle first")
+                         "handle first (model_patches.handles(model) finds it)")
     head = trainer_fused_head(model)
     if head is not None:
         refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
                 "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_hidden_state_loss")
-    had_own = "forward" in model.__dict__
-    own = model.__dict__.get("forward")
-    original = model.forward
-    signature = inspect.signature(original)
-    known = model_keywords(module_class(model))
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            kwargs = as_keywords(signature, args, kwargs)
-        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
-        if not (has_labels and model.training and torch.is_grad_enabled()):
-            return original(**kwargs)
-        refuse_unknown_keywords(model, known, kwargs)
-        return_dict = kwargs.pop("return_dict", None)
-        _IN_MODEL_CALL.active = True
-        try:
-            loss = causal_lm_loss(model, chunk_size=chunk_size, compile_chunks=compile_chunks, **kwargs)
-        finally:
-            _IN_MODEL_CALL.active = False
-        if return_dict is False:
-            return (loss,)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(loss=loss, logits=None)
-
-    # The model's own signature: Trainer reads it to keep the batch's columns and to decide
-    # whether to pass num_items_in_batch.
-    forward.__signature__ = signature  # type: ignore[attr-defined]
-    forward._hidden_state_loss = _Installed(had_own, own, original)  # type: ignore[attr-defined]
-    companions = (
-        refuse_unrouted_trl_heads(
-            f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
-            f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
-            model=model,
-        ),
-        LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
+    forward = HiddenStateLossForward(
+        model, dict(chunk_size=chunk_size, compile_chunks=compile_chunks), "forward" in model.__dict__,
+        model.__dict__.get("forward"), ModelScope(model), LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
     )
     model.forward = forward
-    return HiddenStateLossHandle(model, forward, companions)
+    return forward.handle

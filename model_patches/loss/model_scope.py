@@ -80,6 +80,13 @@ class ModelScope(Handle):
         head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
         return head is not None and getattr(head, "weight", None) is weight
 
+    def __getstate__(self) -> dict[str, Any]:
+        # copied with its model (the hooks are bound to it): the copy's scope is the copied model's
+        return {**self.__dict__, "_model": self._model()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _model=weakref.ref(state["_model"]))
+
     def _undo(self) -> None:
         for hook in self._hooks:
             hook.remove()

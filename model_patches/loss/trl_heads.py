@@ -232,7 +232,8 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
     return _enable(ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
 
 
-def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None) -> Handle:
+def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None,
+                              scope: Optional[ModelScope] = None) -> Handle:
     """While the returned handle is active and no :func:`enable_trl_heads` handle is, TRL's fused
     head kernel and chunked divergence raise ``ValueError(message)`` instead of computing, for
     ``model`` only, or for every model when ``model`` is None.
@@ -251,6 +252,8 @@ def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None
             ``DistillationTrainer``'s divergence for its student), or the kernel is handed this
             model's LM head weight. Any other model trains with TRL's own kernel. The handle holds
             the model weakly and removes itself when the model is garbage-collected.
+        scope: the :class:`ModelScope` of ``model`` to use (a patch that keeps its scope, so that a
+            copy of the model carries one); by default one is made. It is removed with the handle.
     """
     if not isinstance(message, str) or not message:
         raise TypeError(f"message must be a non-empty str, got {message!r}")
@@ -258,7 +261,7 @@ def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     if model is None or _trl_version() is None:
         return _enable(REFUSALS, Refusal(message), "trl heads refusal", strict=False)
-    scope = ModelScope(model)
+    scope = scope if scope is not None else ModelScope(model)
     try:
         handle = _enable(REFUSALS, Refusal(message, scope), f"trl heads refusal for {scope.name}", strict=False)
     except BaseException:

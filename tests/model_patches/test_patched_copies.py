@@ -1,0 +1,183 @@
+"""A patched model stays the user's model: ``copy.deepcopy`` (TRL's reference models, EMA and teacher
+copies) and pickling (``torch.save(model)``) give an independent model, patched the same way, that
+runs its own weights, fills its own gradients, and carries handles of its own.
+
+The oracle for a copy is a model built identically, never trained, with the same patches applied
+afresh: after the original takes optimizer steps, the copy's losses equal that model's bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+
+import pytest
+import torch
+
+import ac_policies
+import model_patches
+from ac_policies.apply import PolicyForward
+from model_patches.loss.hidden_state_loss import HiddenStateLossForward
+from tests.support.tiny_models import LOSS_VOCAB, tiny_loss_model
+
+#: (family, overrides): dense, tied embeddings (with Gemma 2's soft-capped head), MoE.
+MODELS = {
+    "llama": ("llama", {}),
+    "tied": ("gemma2", {}),
+    "moe": ("qwen3_moe", {}),
+}
+#: the patches of one case: the hidden-state loss, a preset, or both.
+PATCHES = [("hidden_state_loss", None), (None, "full"), (None, "selective"), ("hidden_state_loss", "full"),
+           (None, "non_moe"), (None, "non_moe_no_attn"), ("hidden_state_loss", "non_moe")]
+CASES = [(m, loss, preset) for m in MODELS for loss, preset in PATCHES if m == "moe" or preset not in ("non_moe", "non_moe_no_attn")]
+
+
+def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, LOSS_VOCAB, (2, 12), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+def _patched(name: str, loss: str | None, preset: str | None) -> torch.nn.Module:
+    family, overrides = MODELS[name]
+    model = tiny_loss_model(family, **overrides)
+    if loss:
+        model_patches.enable_hidden_state_loss(model)
+    if preset:
+        with warnings.catch_warnings():  # the MoE model under 'full' is told its experts are recomputed
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            ac_policies.apply_policy(model, preset)
+    return model
+
+
+def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """One SGD step on ``model``; its loss before the step."""
+    loss = model(**batch).loss
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    model.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _check_patched_the_same_way(copy_: torch.nn.Module, loss: str | None, preset: str | None) -> None:
+    found = model_patches.handles(copy_)
+    assert len(found) == (1 if loss else 0) and all(h.active for h in found)
+    policy = ac_policies.policy_of(copy_)
+    assert (policy is not None and policy.active and policy.plan.policy.name == preset) if preset else policy is None
+    for m in copy_.modules():  # every wrapper is bound to the copy's own modules
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, PolicyForward):
+            assert fwd.module is m
+        if isinstance(fwd, HiddenStateLossForward):
+            assert fwd.model is copy_ is m
+
+
+def _copies(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "pickle": torch.load(buffer, weights_only=False)}
+
+
+@pytest.mark.parametrize("name,loss,preset", CASES)
+def test_a_copy_runs_its_own_weights_and_is_patched_the_same_way(name, loss, preset):
+    original = _patched(name, loss, preset)
+    fresh = _patched(name, loss, preset)  # identical weights, never trained, patched afresh
+    copies = _copies(original)
+    batch = _batch()
+    for _ in range(2):
+        _step(original, batch)
+    expected = [_step(fresh, batch) for _ in range(2)]
+    for how, c in copies.items():
+        _check_patched_the_same_way(c, loss, preset)
+        assert [_step(c, batch) for _ in range(2)] == expected, how
+        # the copy's backward fills only its own gradients
+        c(**batch).loss.backward()
+        assert all(p.grad is None for p in original.parameters()), how
+        assert sum(p.grad is not None for p in c.parameters()) == sum(p.requires_grad for p in c.parameters()), how
+
+
+@pytest.mark.parametrize("name,loss,preset", [("llama", "hidden_state_loss", "full"), ("moe", "hidden_state_loss", "non_moe")])
+def test_removing_either_model_handles_leaves_the_other_patched(name, loss, preset):
+    original = _patched(name, loss, preset)
+    c = copy.deepcopy(original)
+    batch = _batch()
+    for first, second in ((original, c), (c, original)):
+        for h in model_patches.handles(first):
+            h.remove()
+        ac_policies.policy_of(first).remove()
+        assert model_patches.handles(first) == [] and ac_policies.policy_of(first) is None
+        assert "forward" not in first.__dict__ and first(**batch).logits is not None  # stock again
+        _check_patched_the_same_way(second, loss, preset)
+        assert second(**batch).logits is None  # still the hidden-state loss
+        # the first one takes its patches afresh, and the enable refuses the second twice
+        model_patches.enable_hidden_state_loss(first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            ac_policies.apply_policy(first, preset)
+        with pytest.raises(ValueError, match="already patched"):
+            model_patches.enable_hidden_state_loss(second)
+
+
+def test_handles_of_anything_that_holds_a_model():
+    model = _patched("llama", "hidden_state_loss", "full")
+    holder = types.SimpleNamespace(model=model, ref_model=copy.deepcopy(model), other=3)
+    assert len(model_patches.handles(holder)) == 2
+    assert ac_policies.policy_of(holder) is not None
+    assert model_patches.handles(tiny_loss_model("llama")) == []
+
+
+def test_a_copy_refuses_a_closure_under_the_patch_at_copy_time():
+    for patch in ("loss", "policy"):
+        model = tiny_loss_model("llama")
+        target = model if patch == "loss" else model.model.layers[0]
+        original_forward = target.forward
+        target.forward = lambda *a, **k: original_forward(*a, **k)  # code that calls the original
+        if patch == "loss":
+            model_patches.enable_hidden_state_loss(model)
+        else:
+            ac_policies.apply_policy(model, "full")
+        with pytest.raises(TypeError, match="closure"):
+            copy.deepcopy(model)
+        with pytest.raises(TypeError, match="closure"):
+            torch.save(model, io.BytesIO())
+
+
+def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path):
+    model = _patched("moe", "hidden_state_loss", "non_moe")
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    batch = _batch()
+    expected = [_step(model, batch) for _ in range(3)]
+    script = textwrap.dedent(f"""
+        import torch, ac_policies, model_patches
+        torch.manual_seed(0)
+        model = torch.load({str(path)!r}, weights_only=False)
+        assert len(model_patches.handles(model)) == 1 and ac_policies.policy_of(model).active
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, {LOSS_VOCAB}, (2, 12), generator=g)
+        losses = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.5 * p.grad
+            model.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        print(repr(losses))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert eval(out.stdout.strip().splitlines()[-1]) == expected
