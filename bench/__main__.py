@@ -20,7 +20,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -29,6 +29,9 @@ from .host_dtype import DTYPE_NAMES, DtypeChoice
 from .report import Section, Table
 
 # name -> module; order is the report's order.
+logger = logging.getLogger("bench")
+T = TypeVar("T")
+
 SECTIONS = {
     "train": "bench.train",
     "ce": "bench.ce_logits",
@@ -39,6 +42,18 @@ SECTIONS = {
     "packing": "bench.packing",
     "ac": "bench.ac",
 }
+
+
+INSTALL_PLOTS = "Install it with: pip install -e '.[bench]' (or pip install matplotlib)"
+NO_PLOTS = f"matplotlib is not installed: this run measures everything and writes the report without plots. {INSTALL_PLOTS}"
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib can be imported (the ``bench`` extra); without it the report has no plots."""
+    try:
+        return importlib.util.find_spec("matplotlib") is not None
+    except ValueError:  # sys.modules["matplotlib"] is None: import blocked
+        return False
 
 
 def _available() -> dict[str, object]:
@@ -164,45 +179,79 @@ def main(argv: list[str] | None = None) -> int:
     total = None if None in planned.values() else sum(planned.values())
     progress = Progress(total, enabled=not args.no_progress)
     facts = report_folder.run_facts(args.device, argv, section_dtypes(chosen, args))
+    plotting = plotting_available()
+    if args.plot and not plotting:  # asked for plots: say so before hours of measuring
+        build_parser(mods).error(f"--plot needs matplotlib, which is not installed. {INSTALL_PLOTS}")
 
     print(_header(facts), flush=True)
-    sections, seconds = [], {}
+    if not plotting:
+        print(f"\n{NO_PLOTS}", flush=True)
+    sections, seconds, failures = [], {}, []
     for name, mod in chosen.items():
         start = time.perf_counter()
         section = mod.run(args, progress.tick)
         seconds[name] = time.perf_counter() - start
         sections.append((name, mod, section))
         progress.section_done(planned[name])
-        print("\n" + section.render(), flush=True)
+        _attempt(failures, f"rendering section {name}", lambda: print("\n" + section.render(), flush=True))
+        # on disk after every section: whatever fails later, what was measured stays
+        _attempt(failures, "writing the report", lambda: report_folder.write(
+            folder, facts, [(n, s) for n, _, s in sections], {}), once=True)
     progress.close()
     summary = _summary(sections, seconds, argv)
-    print("\n" + summary.render(), flush=True)
-
-    plots: dict[str, list[Path]] = {}
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    for name, mod, section in sections:
-        if hasattr(mod, "plot"):
-            plots[name] = list(mod.plot(section, plot_dir))  # [] without N sweeps (measured with --plot)
-            if args.plot and plots[name]:
-                args.plot.mkdir(parents=True, exist_ok=True)
-                for path in plots[name]:
-                    shutil.copy2(path, args.plot / path.name)
+    _attempt(failures, "rendering the summary", lambda: print("\n" + summary.render(), flush=True))
     named = [(n, s) for n, _, s in sections] + [("summary", summary)]
     comparison = None
     if old is not None:
-        payload = report_folder.to_json(facts, named, {})
-        changes = compare.compare(old, payload, time_floor=args.compare_floor)
-        comparison = compare.render(changes, old_name=str(args.compare))  # every ratio, in the report
-        print("\n## Compared with " + str(args.compare) + "\n"
-              + compare.render(changes, old_name=str(args.compare), only_flagged=True), flush=True)
-    paths = report_folder.write(folder, facts, named, plots, comparison)
-    if args.json:
+        def compared() -> None:
+            nonlocal comparison
+            payload = report_folder.to_json(facts, named, {})
+            changes = compare.compare(old, payload, time_floor=args.compare_floor)
+            comparison = compare.render(changes, old_name=str(args.compare))  # every ratio, in the report
+            print("\n## Compared with " + str(args.compare) + "\n"
+                  + compare.render(changes, old_name=str(args.compare), only_flagged=True), flush=True)
+        _attempt(failures, f"comparing with {args.compare}", compared)
+    # the tables and figures first, then the plots, then the report again with the plots in it
+    paths = _attempt(failures, "writing the report", lambda: report_folder.write(folder, facts, named, {}, comparison))
+    plots: dict[str, list[Path]] = {}
+    if plotting:
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        for name, mod, section in sections:
+            if hasattr(mod, "plot"):  # [] without N sweeps (measured with --plot)
+                plots[name] = _attempt(failures, f"plotting section {name}", lambda: list(mod.plot(section, plot_dir))) or []
+                if args.plot and plots[name]:
+                    args.plot.mkdir(parents=True, exist_ok=True)
+                    for path in plots[name]:
+                        shutil.copy2(path, args.plot / path.name)
+        if any(plots.values()):
+            paths = _attempt(failures, "writing the report with its plots",
+                             lambda: report_folder.write(folder, facts, named, plots, comparison)) or paths
+    if paths and args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(paths["json"], args.json)
         print(f"\nwrote {args.json}")
-    print(f"\nreport: {paths['markdown']} (figures: {paths['json']}, plots: {sum(map(len, plots.values()))} in "
-          f"{plot_dir})")
+    if paths:
+        print(f"\nreport: {paths['markdown']} (figures: {paths['json']}, plots: {sum(map(len, plots.values()))} in "
+              f"{plot_dir})")
+    if failures:
+        print(f"\n{len(failures)} step(s) after measuring failed; every figure measured is in {folder}:", file=sys.stderr)
+        for failure in failures:
+            print(f"  - {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _attempt(failures: list[str], what: str, action: Callable[[], T], once: bool = False) -> Optional[T]:
+    """``action()``, or None with the failure logged and added to ``failures`` (named by ``what``;
+    with ``once``, a failure already listed under that name is not listed again)."""
+    try:
+        return action()
+    except Exception as exc:  # noqa: BLE001 - reported at the end; the measured figures must survive it
+        logger.exception("python -m bench: %s failed", what)
+        entry = f"{what}: {type(exc).__name__}: {exc}"
+        if not (once and any(f.startswith(what + ":") for f in failures)):
+            failures.append(entry)
+        return None
 
 
 if __name__ == "__main__":

@@ -194,3 +194,72 @@ def test_default_run_every_section_end_to_end_at_tiny_shapes(tmp_path, monkeypat
     assert md.count("Reproduce: `python -m bench") >= 12 and "![ac_presets](plots/ac_presets.png)" in md
     # the spreads --compare judges by were measured
     assert any(t["spread"] for s in payload["sections"].values() for t in s["tables"])
+
+
+def _fake_sections(monkeypatch, plot) -> list[str]:
+    """``python -m bench`` with two quick fake sections (each one table) whose ``plot`` is ``plot``;
+    returns the log of what ran, in order."""
+    import types
+
+    import bench.__main__ as bench_main
+
+    ran: list[str] = []
+
+    def module(name: str) -> types.ModuleType:
+        mod = types.ModuleType(f"fake_{name}")
+
+        def run(args, tick):
+            ran.append(f"measure {name}")
+            return _section(TIMES, PEAKS, {})
+
+        def plot_section(section, out_dir):
+            ran.append(f"plot {name}")
+            return plot(out_dir)
+
+        mod.run, mod.plot = run, plot_section
+        return mod
+
+    monkeypatch.setattr(bench_main, "_available", lambda: {"a": module("a"), "b": module("b")})
+    monkeypatch.setattr(bench_main.isolated, "start", lambda: None)
+    return ran
+
+
+def test_a_failing_plot_keeps_every_figure_measured_and_exits_non_zero(tmp_path, monkeypatch, capsys):
+    def broken(out_dir):
+        raise RuntimeError("the plotting library broke")
+
+    ran = _fake_sections(monkeypatch, broken)
+    assert main(["--no-progress", "--out", str(tmp_path)]) == 1
+    assert ran == ["measure a", "measure b", "plot a", "plot b"]
+    payload = json.loads((tmp_path / "report.json").read_text())
+    assert list(payload["sections"]) == ["a", "b", "summary"]
+    assert payload["sections"]["b"]["tables"][0]["rows"][2][0] == "ours"
+    assert "Reproduce: `python -m bench --only ce" in (tmp_path / "report.md").read_text()
+    err = capsys.readouterr().err
+    assert "plotting section a: RuntimeError: the plotting library broke" in err and "plotting section b" in err
+
+
+def test_without_matplotlib_the_run_says_so_first_and_writes_the_whole_report(tmp_path, monkeypatch, capsys):
+    import sys
+
+    ran = _fake_sections(monkeypatch, lambda out_dir: pytest.fail("plotted without matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the bench extra were not installed
+    assert main(["--no-progress", "--out", str(tmp_path)]) == 0
+    assert ran == ["measure a", "measure b"]
+    out = capsys.readouterr().out
+    assert out.index("matplotlib is not installed") < out.index("## ")  # before the first table
+    assert "pip install -e '.[bench]'" in out
+    assert list(json.loads((tmp_path / "report.json").read_text())["sections"]) == ["a", "b", "summary"]
+    with pytest.raises(SystemExit):  # plots asked for: refused before measuring
+        main(["--no-progress", "--out", str(tmp_path / "p"), "--plot", str(tmp_path / "plots")])
+    assert ran == ["measure a", "measure b"] and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_a_section_that_fails_to_render_keeps_the_others(tmp_path, monkeypatch, capsys):
+    ran = _fake_sections(monkeypatch, lambda out_dir: [])
+    real = Section.render
+    monkeypatch.setattr(Section, "render", lambda self: (_ for _ in ()).throw(ValueError("bad cell"))
+                        if self.name != "summary" else real(self))
+    assert main(["--no-progress", "--out", str(tmp_path)]) == 1
+    assert list(json.loads((tmp_path / "report.json").read_text())["sections"]) == ["a", "b", "summary"]
+    assert "rendering section a: ValueError: bad cell" in capsys.readouterr().err
