@@ -13,7 +13,7 @@ pass through to Transformers unchanged:
   Transformers builds its own causal / sliding-window mask in the backend's format: a float
   additive mask for eager, a bool mask for sdpa, a ``BlockMask`` for flex (flex never gets a
   4D tensor). For flash_attention_* the document-id tensor itself is returned as the layer mask.
-- A batch without documents (at most one run of real tokens per row: a 0/1 padding mask) must
+- A batch without documents (at most one document per row: a 0/1 padding mask, pads anywhere) must
   be stock's bit for bit. On eager the mask above is already stock's, element for element
   (no value read). The builders of sdpa, flex_attention and flash_attention_* read the 2D
   mask's values themselves outside tracing (sdpa and flash drop an all-ones mask for the

@@ -1,10 +1,14 @@
 """Pure helpers for indexed (packed) attention masks; no Transformers import, no patching.
 
 An *indexed mask* is a ``[batch, seq]`` integer tensor: 0 marks padding, and each maximal run of
-one non-zero value is one document, ``[1, 1, 1, 2, 2, 3, 0, 0]`` = three documents and two pads.
-Runs, not values, define documents, so ``[1, 1, 2, 1]`` holds three documents; ids restart in
-every row. An ordinary 0/1 padding mask is the same thing with one document per row, so any
-integer mask can be read as document ids without looking at its values first (no host sync).
+one non-zero value among the row's real tokens is one document, ``[1, 1, 1, 2, 2, 3, 0, 0]`` =
+three documents and two pads. Runs, not values, define documents, so ``[1, 1, 2, 1]`` holds three
+documents; ids restart in every row. Padding does not end a run: ``[1, 1, 0, 0, 1]`` is one
+document with two pads inside, which is what Transformers' ``generate()`` makes of a right-padded
+prompt (the new tokens' 1s after the prompt's padding). An ordinary 0/1 padding mask is therefore
+one document per row, wherever its padding lies, exactly stock's padding mask; only the collator's
+indexed masks (1, 2, 3, ...) mark several documents. Any integer mask can be read as document ids
+without looking at its values first (no host sync).
 Floating masks (``mask.float()``, bf16) are read the same way when every value is a
 non-negative integer that the dtype represents exactly (bf16: up to 256, fp16: 2048, fp32:
 2**24); anything else is refused, because a rounded id can merge two neighbouring documents.
@@ -123,9 +127,24 @@ def is_indexed_mask(mask: object) -> bool:
     return bool(mask.max() > 1)  # type: ignore[union-attr]
 
 
+def _previous_real(values: torch.Tensor, real: torch.Tensor, fill: int) -> torch.Tensor:
+    """``[B, L]``: at each position, ``values`` at the closest earlier real position of its row
+    (``fill`` where there is none)."""
+    index = torch.arange(values.shape[1], device=values.device).expand_as(values)
+    last = torch.where(real, index, torch.full_like(index, -1)).cummax(-1).values  # at or before each position
+    before = torch.cat([torch.full_like(last[:, :1], -1), last[:, :-1]], dim=1)  # strictly before
+    found = values.gather(1, torch.where(before >= 0, before, torch.zeros_like(before)))
+    return torch.where(before >= 0, found, torch.full_like(found, fill))
+
+
+def _run_starts(ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, L]``: real tokens whose id differs from the previous real token's (padding skipped)."""
+    return real & (ids != _previous_real(ids, real, 0))
+
+
 def document_ids(mask: torch.Tensor) -> torch.Tensor:
     """Indexed mask ``[B, L]`` (int, bool or whole-number float) -> int64 ``[B, L]``: run number
-    1, 2, ... per row, 0 on padding.
+    1, 2, ... per row (runs of one value among real tokens, padding skipped), 0 on padding.
 
     Raises ValueError on negative or (float) non-whole values, see :func:`check_mask_values`.
     No host sync on the happy path; traces into one graph under ``torch.compile``.
@@ -135,31 +154,36 @@ def document_ids(mask: torch.Tensor) -> torch.Tensor:
         check_mask_values(mask)
     m = mask.long()
     real = m != 0
-    starts = torch.cat([real[:, :1], real[:, 1:] & (m[:, 1:] != m[:, :-1])], dim=1)
-    return torch.where(real, starts.long().cumsum(-1), torch.zeros_like(m))
+    return torch.where(real, _run_starts(m, real).long().cumsum(-1), torch.zeros_like(m))
 
 
 def split_at_position_resets(ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Document ids ``[B, L]`` split further wherever ``position_ids`` ``[B or 1, L]`` do not step by one.
 
     Packed ``position_ids`` (0, 1, 2, 0, 1, ...) mark documents too, even under a 0/1 or all-ones
-    mask (``DataCollatorWithFlattening``-style batches): a token whose position is not its left
-    neighbour's plus one starts a new document. Returns renumbered int64 ids, 0 on padding.
+    mask (``DataCollatorWithFlattening``-style batches): a token whose position does not continue
+    its previous real token's starts a new document. Across padding inside a document (padding is
+    skipped, as in :func:`document_ids`) a position continues when it steps by one (``generate()``
+    counts positions past a right-padded prompt's pads) or by the distance in tokens (positions
+    that count the pads, such as the default ``arange``). Returns renumbered int64 ids, 0 on padding.
     """
-    pos = position_ids.expand(ids.shape[0], -1)
+    pos = position_ids.expand(ids.shape[0], -1).long()
     real = ids != 0
-    step = pos[:, 1:] != pos[:, :-1] + 1
-    starts = torch.cat([real[:, :1], real[:, 1:] & ((ids[:, 1:] != ids[:, :-1]) | step)], dim=1)
+    index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    step = pos - _previous_real(pos, real, 0)
+    continues = (step == 1) | (step == index - _previous_real(index, real, 0))
+    starts = _run_starts(ids, real) | (real & ~continues)
     return torch.where(real, starts.long().cumsum(-1), torch.zeros_like(ids))
 
 
 def document_positions(ids: torch.Tensor) -> torch.Tensor:
-    """Position of every token inside its document (0 at each document start), int64 ``[B, L]``."""
-    idx = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    """Position of every real token inside its document (0 at each document start; padding inside
+    a document is not counted, as in Transformers' positions from a padding mask), int64 ``[B, L]``.
+    Padding positions hold the count of real tokens before them in the document (callers mask them)."""
     real = ids != 0
-    starts = torch.cat([real[:, :1], real[:, 1:] & (ids[:, 1:] != ids[:, :-1])], dim=1)
-    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
-    return idx - first
+    count = real.long().cumsum(-1)  # real tokens up to and including each position
+    first = torch.where(_run_starts(ids, real), count, torch.zeros_like(count)).cummax(-1).values
+    return count - first
 
 
 def document_lengths(mask: torch.Tensor) -> torch.Tensor:

@@ -34,14 +34,18 @@ def layouts(draw) -> list[list[int]]:
     return rows
 
 
-def _runs(row: list[int]) -> list[tuple[int, int]]:
-    """(start, end) of every maximal run of one non-zero value: the documents."""
-    out, start = [], 0
-    for i in range(1, len(row) + 1):
-        if i == len(row) or row[i] != row[start]:
-            if row[start]:
-                out.append((start, i))
-            start = i
+def _runs(row: list[int]) -> list[list[int]]:
+    """The positions of every maximal run of one non-zero value among the row's real tokens
+    (padding skipped: ``1, 0, 1`` is one document): the documents."""
+    out: list[list[int]] = []
+    previous = 0
+    for i, value in enumerate(row):
+        if not value:
+            continue
+        if value != previous:
+            out.append([])
+        out[-1].append(i)
+        previous = value
     return out
 
 
@@ -50,22 +54,40 @@ def test_document_ids_number_runs_per_row(rows) -> None:
     ids = document_ids(torch.tensor(rows))
     for r, row in enumerate(rows):
         expect = [0] * len(row)
-        for k, (s, e) in enumerate(_runs(row), start=1):
-            expect[s:e] = [k] * (e - s)
+        for k, positions in enumerate(_runs(row), start=1):
+            for i in positions:
+                expect[i] = k
         assert ids[r].tolist() == expect
+
+
+def test_padding_inside_a_row_does_not_end_its_document() -> None:
+    """What generate() makes of a right-padded prompt: one document with pads inside, and packed
+    position_ids still split documents whether they count the pads or not."""
+    from model_patches.packing.masks import document_positions, split_at_position_resets
+
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1], [1, 1, 2, 2, 0, 2, 1]])
+    ids = document_ids(mask)
+    assert ids.tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 2, 2, 0, 2, 3]]
+    assert document_positions(ids)[ids != 0].tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 0]
+    generate_positions = torch.tensor([[0, 1, 2, 1, 1, 3, 4]])  # attention_mask.cumsum(-1) - 1, pads filled
+    for positions in (generate_positions, torch.arange(7)[None]):
+        assert torch.equal(split_at_position_resets(ids[:1], positions), ids[:1])
+    packed = torch.tensor([[0, 1, 2, 0, 0, 1, 2]])  # a restart after the pads: a new document
+    assert split_at_position_resets(ids[:1], packed).tolist() == [[1, 1, 1, 0, 0, 2, 2]]
+    assert document_lengths(mask).tolist() == [5, 2, 3, 1]
 
 
 @given(layouts())
 def test_unpad_documents_gives_one_sequence_per_document(rows) -> None:
     mask = torch.tensor(rows)
     indices, cu, max_len = unpad_documents(mask)
-    spans = [(r * len(rows[0]) + s, r * len(rows[0]) + e) for r, row in enumerate(rows) for s, e in _runs(row)]
-    lengths = [e - s for s, e in spans]
+    docs = [[r * len(rows[0]) + i for i in positions] for r, row in enumerate(rows) for positions in _runs(row)]
+    lengths = [len(d) for d in docs]
     expected_cu = [0]
     for n in lengths:
         expected_cu.append(expected_cu[-1] + n)
     assert cu.dtype == torch.int32 and cu.tolist() == expected_cu
-    assert indices.tolist() == [i for s, e in spans for i in range(s, e)]
+    assert indices.tolist() == [i for d in docs for i in d]
     assert max_len == max(lengths, default=0)
     assert document_lengths(mask).tolist() == lengths
 
@@ -94,7 +116,7 @@ def test_document_ids_compile_without_graph_breaks() -> None:
 def test_block_causal_mask_matches_the_rule(rows, window) -> None:
     dense = dense_block_causal_mask(torch.tensor(rows), window)
     for r, row in enumerate(rows):
-        doc = {i: k for k, (s, e) in enumerate(_runs(row), start=1) for i in range(s, e)}
+        doc = {i: k for k, positions in enumerate(_runs(row), start=1) for i in positions}
         for q in range(len(row)):
             for kv in range(len(row)):
                 # a padding query sees what Transformers' padding mask gives it: every real key

@@ -47,8 +47,8 @@ MORE_MOE: dict[str, dict[str, Any]] = {
 FAMILIES = (*FAMILIES_UNDER_TEST, *MORE_MOE)
 #: the same, MORE_MOE marked slow (nightly) where a test generates with every family
 FAMILY_PARAMS = [*FAMILIES_UNDER_TEST, *(pytest.param(f, marks=pytest.mark.slow) for f in MORE_MOE)]
-#: (mask dtype, left-padded) of the family tests: padded and not, int and whole-number float
-FAMILY_MASKS = (("int64", False), ("int64", True), ("float32", True))
+#: (mask dtype, padding side) of the family tests: padded on either side and not, int and whole-number float
+FAMILY_MASKS = (("int64", None), ("int64", "left"), ("int64", "right"), ("float32", "left"))
 
 
 def _model(family: str, implementation: str) -> torch.nn.Module:
@@ -61,13 +61,17 @@ def _model(family: str, implementation: str) -> torch.nn.Module:
     return model
 
 
-def _inputs(mask_dtype: str, padded: bool) -> dict[str, torch.Tensor]:
+def _inputs(mask_dtype: str, padding: str | None) -> dict[str, torch.Tensor]:
+    """Two prompts of 7 tokens, the first one padded on the ``padding`` side (None: no padding).
+    Right padding is what Transformers warns about but runs: generate() extends the mask with 1s
+    after the pads (``1, 1, 1, 1, 0, 0, 0, 1, ...``), an ordinary padding mask all the same."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 120, (2, 7), generator=g)
     mask = torch.ones(2, 7, dtype=torch.long)
-    if padded:
-        mask[0, :3] = 0  # left padding, as generation wants it
-        ids[0, :3] = 0
+    if padding is not None:
+        pads = slice(0, 3) if padding == "left" else slice(4, 7)
+        mask[0, pads] = 0
+        ids[0, pads] = 0
     if mask_dtype == "none":
         return {"input_ids": ids}
     return {"input_ids": ids, "attention_mask": mask.to(getattr(torch, mask_dtype))}
@@ -104,7 +108,19 @@ def _equal_with_patch(model: torch.nn.Module, inputs: dict[str, torch.Tensor], c
 @pytest.mark.parametrize("decoding", sorted(DECODING))
 def test_every_cache_mask_dtype_and_decoding_matches_stock(cache: str, mask_dtype: str, decoding: str) -> None:
     model = _model("llama", "sdpa")
-    _equal_with_patch(model, _inputs(mask_dtype, padded=mask_dtype != "none"), cache, decoding)
+    _equal_with_patch(model, _inputs(mask_dtype, "left" if mask_dtype != "none" else None), cache, decoding)
+
+
+@pytest.mark.parametrize("cache", CPU_CACHES)
+@pytest.mark.parametrize("decoding", sorted(DECODING))
+def test_right_padding_matches_stock(cache: str, decoding: str) -> None:
+    """A right-padded prompt: the 1s generate() appends after the pads continue the prompt's
+    document (a 0/1 mask is a padding mask), so tokens and scores are stock's."""
+    model = _model("llama", "sdpa")
+    for mask_dtype in ("int64", "float32"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Transformers: "right-padding was detected"
+            _equal_with_patch(model, _inputs(mask_dtype, "right"), cache, decoding)
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)
@@ -113,8 +129,8 @@ def test_every_cache_mask_dtype_and_decoding_matches_stock(cache: str, mask_dtyp
 def test_families_and_backends_match_stock(family: str, implementation: str, cache: str) -> None:
     """Tokens and scores bitwise, int64 and float masks, padded or not."""
     model = _model(family, implementation)
-    for mask_dtype, padded in FAMILY_MASKS:
-        _equal_with_patch(model, _inputs(mask_dtype, padded), cache, "greedy")
+    for mask_dtype, padding in FAMILY_MASKS:
+        _equal_with_patch(model, _inputs(mask_dtype, padding), cache, "greedy")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -124,17 +140,19 @@ def test_flash_generation_matches_stock(family: str, cache: str) -> None:
     mask takes stock's path, so padded decoding works and is bitwise stock's."""
     model = _model(family, "eager")
     with backend(model, "flash_attention_2"):
-        for mask_dtype, padded in FAMILY_MASKS:
-            _equal_with_patch(model, _inputs(mask_dtype, padded), cache, "greedy")
+        for mask_dtype, padding in FAMILY_MASKS:
+            _equal_with_patch(model, _inputs(mask_dtype, padding), cache, "greedy")
 
 
 _LEFT = [[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]
-#: ordinary 0/1 masks (one run of real tokens per row: left and right padding, none, a padding
-#: row), int64 or float32
+#: ordinary 0/1 masks (left and right padding, pads inside a row, none, a padding row), int64 or float32
 ORDINARY_MASKS = {
     "left, int64": torch.tensor(_LEFT),
     "left, float32": torch.tensor(_LEFT, dtype=torch.float32),
     "right, int64": torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]]),
+    # a right-padded prompt after generate() appended two tokens: one document with pads inside
+    "right then generated, int64": torch.tensor([[1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1]]),
+    "right then generated, float32": torch.tensor([[1, 0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.float32),
     "unpadded, float32": torch.ones(2, 7),
     "padding row, int64": torch.tensor([[0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1]]),
 }
@@ -192,7 +210,7 @@ def test_compiled_static_cache_generation_matches_stock(family: str, implementat
     last bits away from eager decoding, patch or not."""
     model = _model(family, implementation)
     model.generation_config.compile_config = None
-    inputs = _inputs("int64", padded=True)
+    inputs = _inputs("int64", "left")
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=False)
     try:
@@ -223,5 +241,5 @@ def test_the_cache_capacity_is_read_through_a_probed_name() -> None:
 @pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
 def test_offloaded_caches_match_stock_on_cuda(cache: str) -> None:
     model = _model("llama", "sdpa").cuda()
-    inputs = {k: v.cuda() for k, v in _inputs("int64", padded=True).items()}
+    inputs = {k: v.cuda() for k, v in _inputs("int64", "left").items()}
     _equal_with_patch(model, inputs, cache, "greedy")
