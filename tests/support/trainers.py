@@ -34,9 +34,9 @@ def token_rows(n: int = 12, length: int = 16, seed: int = 0, ragged: bool = Fals
 
 
 def sft_trainer(model: torch.nn.Module, out_dir: Any, rows: Sequence[Sequence[int]], *, steps: int = 3,
-                **config: Any):
+                peft_config: Any = None, **config: Any):
     """A ``trl.SFTTrainer`` of ``steps`` CPU steps over ``rows`` (batch 4, fp32, seed 0, a loss
-    logged every step); ``config`` overrides ``SFTConfig`` fields."""
+    logged every step); ``config`` overrides ``SFTConfig`` fields; ``peft_config`` goes to the trainer."""
     import trl
     from datasets import Dataset
 
@@ -47,7 +47,7 @@ def sft_trainer(model: torch.nn.Module, out_dir: Any, rows: Sequence[Sequence[in
     settings.update(config)
     data = Dataset.from_dict({"input_ids": [list(r) for r in rows]})
     return trl.SFTTrainer(model=model, args=trl.SFTConfig(**settings), train_dataset=data,
-                          processing_class=word_tokenizer())
+                          processing_class=word_tokenizer(), peft_config=peft_config)
 
 
 def logged_losses(trainer) -> list[float]:
