@@ -33,6 +33,7 @@ import copy
 import functools
 import inspect
 import logging
+import sys
 import threading
 import types
 import warnings
@@ -79,9 +80,10 @@ class PolicyHandle:
     putting the previous forward back would delete that later code.
     """
 
-    def __init__(self, plan: Plan, wrappers: list["PolicyForward"]) -> None:
+    def __init__(self, plan: Plan, wrappers: list["PolicyForward"], companions: list[Any] = ()) -> None:
         self.plan = plan
         self._wrappers = wrappers
+        self._companions = list(companions)  # handles removed with the policy (Trainer's resume conversion)
 
     @property
     def active(self) -> bool:
@@ -103,6 +105,8 @@ class PolicyHandle:
             else:
                 w.module.__dict__["forward"] = w.previous
             w.removed = True
+        for companion in self._companions:
+            companion.remove()
         logger.info("ac_policies: removed %d wrapper(s)", len(self._wrappers))
 
     def __enter__(self) -> "PolicyHandle":
@@ -212,9 +216,11 @@ class PolicyForward:
         self._extra: dict[str, Any] = {}
         if row.action == "selective":
             self._extra["context_fn"] = selective_context_fn(row.selective or SelectiveOps())
-        # derived once: the HF flag check runs at every training forward
-        self._related = with_hf_flag([(row.fqn, module), *around, *under])
         self._lineage = [module, *(m for _, m in around), *(m for _, m in under)]
+        # the modules carrying Hugging Face's checkpointing flag, found at the first training forward
+        # (a copy's modules are still being filled in while its wrapper is made) and kept: the check
+        # runs at every training forward
+        self._related: Optional[list[tuple[str, nn.Module]]] = None
 
     @property
     def installed(self) -> bool:
@@ -248,6 +254,8 @@ class PolicyForward:
         # as Hugging Face does: no region in eval mode (cached decoding) or without gradients (no backward)
         if not (module.training and torch.is_grad_enabled()):
             return self._call_below(*args, **kwargs)
+        if self._related is None:
+            self._related = with_hf_flag([(row.fqn, module), *self.around, *self.under])
         flagged = find_hf_flagged(self._related)
         if flagged is not None:
             raise double_checkpointing_error(*flagged)
@@ -302,6 +310,9 @@ def _refuse_closure(previous: Any, fqn: str, how: str) -> None:
 def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) -> PolicyHandle:
     """Apply ``plan(model, policy, strict=strict)`` and return a handle that undoes it.
 
+    Where Transformers is in use, the handle also holds ``model_patches``' Trainer resume
+    conversion, as every patch of this library does (a resumed MoE run restores its experts).
+
     Refuses (ValueError, nothing changed) when the model already carries a policy, has
     Hugging Face gradient checkpointing enabled, or has a module wrapped by torch's
     ``checkpoint_wrapper`` (Accelerate's FSDP activation checkpointing): each would checkpoint
@@ -335,4 +346,15 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
         wrappers.append(ours)
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)
     logger.info("ac_policies: applied %s to %s: %d module(s) wrapped", p.policy.name or "custom table", p.model_type, len(wrappers))
-    return PolicyHandle(p, wrappers)
+    return PolicyHandle(p, wrappers, [h for h in (_resume_conversion(),) if h is not None])
+
+
+def _resume_conversion() -> Optional[Any]:
+    """Where Transformers is in use (imported), the handle of ``model_patches``' Trainer resume
+    conversion, which every patch of this library turns on: a resumed MoE run restores its experts
+    (see :mod:`model_patches.checkpoint_resume`). None for models outside Transformers."""
+    if "transformers" not in sys.modules:
+        return None
+    from model_patches.checkpoint_resume import enable_resume_conversion
+
+    return enable_resume_conversion(strict=False)

@@ -25,6 +25,9 @@ _LAZY: dict[str, str] = {
     "causal_lm_token_logprobs": "loss.token_losses",
     "causal_lm_distillation_loss": "loss.token_losses",
     "enable_trl_heads": "loss.trl_heads",
+    # Trainer's resume restores every weight (with every patch above; on its own too)
+    "enable_resume_conversion": "checkpoint_resume",
+    "resume_conversion_status": "checkpoint_resume",
     "trl_heads_status": "loss.trl_heads",
     # what they return and raise
     "handles": "model_handles",

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import functional_ce
 
 from ..calls import parameters_probe
+from ..checkpoint_resume import enable_resume_conversion
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .model_scope import ReleaseWithModel
@@ -155,6 +156,7 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
             f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {TRAINER_HEAD_FIX}"
         )
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
+    handle.companions.append(enable_resume_conversion(strict=False))
     if model is None:
         handle.companions.append(refuse_unrouted_trl_heads(
             "enable_chunked_loss routes Transformers' LOSS_MAPPING for every model in this process, which TRL's "

@@ -39,6 +39,7 @@ import functional_ce
 from functional_ce.spec import ChunkSize
 
 from ..calls import unwrap_from_under
+from ..checkpoint_resume import enable_resume_conversion
 from ..registry import Handle
 from .causal_lm_parts import (
     VERIFIED_MODEL_TYPES,
@@ -178,7 +179,7 @@ class HiddenStateLossForward:
             f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
             model=model, scope=scope,
         )
-        self.handle = HiddenStateLossHandle(model, self, (scope, refusal, watch))
+        self.handle = HiddenStateLossHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
         _LIVE.add(self)
 
     def below(self) -> Any:

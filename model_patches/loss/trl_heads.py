@@ -50,6 +50,7 @@ from typing import Any, Optional
 import torch.nn as nn
 
 from ..calls import parameters_probe
+from ..checkpoint_resume import enable_resume_conversion
 from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
 from .model_scope import ModelScope, Refusal, ReleaseWithModel
 from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
@@ -229,7 +230,10 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
         :func:`refuse_unrouted_trl_heads` is removed. Without TRL: a handle that patched nothing
         (its ``rows`` say why).
     """
-    return _enable(ROUTED, None, "trl heads", strict)  # type: ignore[return-value]
+    handle = _enable(ROUTED, None, "trl heads", strict)
+    if isinstance(handle, PatchHandle):
+        handle.companions.append(enable_resume_conversion(strict=False))
+    return handle  # type: ignore[return-value]
 
 
 def refuse_unrouted_trl_heads(message: str, *, model: Optional[nn.Module] = None,

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..calls import model_modules
+from ..checkpoint_resume import enable_resume_conversion
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
 from .aux_loss import AUX_LOSS_NAME
 from .coverage import CAPABILITIES, refusals_for_model
@@ -47,6 +48,7 @@ def enable_packing(
         own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in (*BUILDERS, AUX_LOSS_NAME, RECURRENT))]
         extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict, what="packing")
+    handle.companions.append(enable_resume_conversion(strict=False))
     applied = sum(r.state == "applied" for r in handle.rows)
     logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
     if model is not None:

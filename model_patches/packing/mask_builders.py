@@ -91,11 +91,13 @@ def mask_builder_probe(cache_arg: str, needs_cache_position: bool) -> Callable[[
 
 
 def same_function_probe(name: str, cache_arg: str, needs_cache_position: bool) -> Callable[[Any], Optional[str]]:
-    """Probe for a model module's imported ``name``: it must be ``masking_utils.<name>`` itself."""
+    """Probe for a model module's imported ``name``: it must be ``masking_utils.<name>`` itself (or a
+    wrapper of this package around it that the module imported while a packing handle was live)."""
     base = mask_builder_probe(cache_arg, needs_cache_position)
 
     def probe(fn: Any) -> Optional[str]:
         reference = unwrapped(getattr(importlib.import_module(_MASKING), name))
+        fn = unwrapped(fn)
         if fn is not reference:
             return f"{name} is not masking_utils.{name}: this model module builds its masks another way"
         return base(fn)
@@ -108,6 +110,7 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
     """Builder of the ``create_*causal_mask`` replacement for ``target`` (see module docstring)."""
 
     def build(original: Callable) -> Callable:
+        original = unwrapped(original)  # a stale wrapper, imported by a model module while a handle was live
         params = parameters(original)
         has_positions = "position_ids" in params
 
