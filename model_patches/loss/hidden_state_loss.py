@@ -163,14 +163,14 @@ class HiddenStateLossForward:
 
     Attributes:
         model: the patched model; ``options``: ``chunk_size`` and ``compile_chunks``;
-        ``had_own`` / ``own``: whether the model had its own instance ``forward`` and which;
+        ``own``: the instance ``forward`` the model had before the patch, or None (its class's);
         ``scope``, ``watch``: the call scope of the TRL refusal and the loss-use watch (forward
         hooks on the model, copied with it); ``handle``: the undo handle (made again in each copy).
     """
 
-    def __init__(self, model: nn.Module, options: dict[str, Any], had_own: bool, own: Any,
-                 scope: ModelScope, watch: LossUseWatch) -> None:
-        self.model, self.options, self.had_own, self.own = model, options, had_own, own
+    def __init__(self, model: nn.Module, options: dict[str, Any], own: Any, scope: ModelScope,
+                 watch: LossUseWatch) -> None:
+        self.model, self.options, self.own = model, options, own
         self.scope, self.watch = scope, watch
         self._signature: Optional[inspect.Signature] = None
         self._known: Optional[frozenset] = None
@@ -184,7 +184,7 @@ class HiddenStateLossForward:
 
     def below(self) -> Any:
         """What the patch calls outside its loss path: the forward it replaced."""
-        return self.own if self.had_own else types.MethodType(type(self.model).forward, self.model)
+        return self.own if self.own is not None else types.MethodType(type(self.model).forward, self.model)
 
     @property
     def __wrapped__(self) -> Any:
@@ -228,7 +228,7 @@ class HiddenStateLossForward:
                 "and so run the original's weights. Remove the patch (model_patches.handles(model)) or that code "
                 "before copying, then enable it on the copy"
             )
-        return {k: getattr(self, k) for k in ("model", "options", "had_own", "own", "scope", "watch")}
+        return {k: getattr(self, k) for k in ("model", "options", "own", "scope", "watch")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -290,7 +290,7 @@ class HiddenStateLossHandle(Handle):
                 if value is replacement:
                     setattr(model, name, below)
             logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
-        elif replacement.had_own:
+        elif replacement.own is not None:
             model.forward = replacement.own
         else:
             model.__dict__.pop("forward", None)
@@ -355,8 +355,8 @@ def enable_hidden_state_loss(
         refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
                 "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_hidden_state_loss")
     forward = HiddenStateLossForward(
-        model, dict(chunk_size=chunk_size, compile_chunks=compile_chunks), "forward" in model.__dict__,
-        model.__dict__.get("forward"), ModelScope(model), LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
+        model, dict(chunk_size=chunk_size, compile_chunks=compile_chunks), model.__dict__.get("forward"),
+        ModelScope(model), LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
     )
     model.forward = forward
     return forward.handle
