@@ -80,16 +80,18 @@ class SegmentLayout:
 
 
 def segment_layout(ids: torch.Tensor) -> SegmentLayout:
-    """Layout of the documents of ``ids`` (int ``[B, L]``, 0 = padding; one host sync)."""
+    """Layout of the documents of ``ids`` (int ``[B, L]`` from :func:`document_ids`, 0 = padding;
+    one host sync). A document is its row's real tokens with its id, consecutive among the row's
+    real tokens (padding inside a document, as in a right-padded prompt under ``generate()``, is
+    skipped: the run gathers the document's tokens)."""
     batch, length = ids.shape
-    real = ids != 0
-    starts = torch.cat([real[:, :1], real[:, 1:] & (ids[:, 1:] != ids[:, :-1])], dim=1).flatten()
-    doc = starts.long().cumsum(0) - 1
-    flat_real = real.flatten()
-    first = torch.nonzero(starts).flatten()
-    lengths = torch.bincount(doc[flat_real], minlength=first.numel())
+    flat = ids.flatten()
+    positions = torch.nonzero(flat != 0).flatten()  # the real tokens, in order
+    key = (positions // length) * (length + 1) + flat[positions]  # (row, id): one per document
+    _, lengths = torch.unique_consecutive(key, return_counts=True)
+    first = torch.cumsum(lengths, 0) - lengths  # each document's first token, in `positions`
     first_list, length_list = first.tolist(), lengths.tolist()
-    rows = [f // length for f in first_list]
+    rows = (positions[first] // length).tolist()
     one_per_row = len(set(rows)) == len(rows)
     by_group: dict[int, list[int]] = {}
     for d, n in enumerate(length_list):
@@ -102,7 +104,8 @@ def segment_layout(ids: torch.Tensor) -> SegmentLayout:
         count = torch.tensor([length_list[d] for d in docs], device=ids.device)
         offset = torch.arange(width, device=ids.device)
         valid = offset[None, :] < count[:, None]
-        index = torch.where(valid, start[:, None] + offset[None, :], torch.full_like(valid, batch * length, dtype=torch.long))
+        taken = positions[torch.where(valid, start[:, None] + offset[None, :], torch.zeros_like(start)[:, None])]
+        index = torch.where(valid, taken, torch.full_like(taken, batch * length))
         groups.append((index, valid))
         padded += len(docs) * width
     return SegmentLayout(tuple(groups), one_per_row, padded, sum(length_list))

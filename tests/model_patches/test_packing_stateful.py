@@ -220,7 +220,9 @@ def test_segment_layout_covers_every_token_once_within_twice_its_size(rows: list
         assert bool((valid[:, :-1] >= valid[:, 1:]).all())  # each document is a prefix of its row
         for r in range(index.shape[0]):
             tokens = index[r][valid[r]]
-            assert bool((tokens[1:] == tokens[:-1] + 1).all())  # contiguous
+            between = flat[int(tokens[0]):int(tokens[-1]) + 1]
+            assert bool((between[between != 0] == flat[tokens[0]]).all())  # contiguous but for padding
+            assert int((between != 0).sum()) == tokens.numel()
             doc = flat[tokens]
             assert bool((doc == doc[0]).all()) and int(doc[0]) != 0
             assert bool((index[r][~valid[r]] == flat.numel()).all())  # padding points at the zero slot
