@@ -172,6 +172,7 @@ class HiddenStateLossForward:
                  watch: LossUseWatch) -> None:
         self.model, self.options, self.own = model, options, own
         self.scope, self.watch = scope, watch
+        watch.adopted = True  # a copy's watch comes with this patch
         self._signature: Optional[inspect.Signature] = None
         self._known: Optional[frozenset] = None
         refusal = refuse_unrouted_trl_heads(

@@ -75,11 +75,19 @@ def trainer_fused_head(model: nn.Module) -> Optional[str]:
 class LossUseWatch(Handle):
     """Forward hooks on one model that refuse a trainer's fused-head call and report a labelled
     training call that did not reach the library's loss (once per model). ``remove()`` takes the
-    hooks off. Holds no reference to the model (the model holds the hooks)."""
+    hooks off. Holds no reference to the model (the model holds the hooks).
+
+    A copy of the model (``copy.deepcopy``, pickling) carries copies of the hooks, bound to a copy of
+    the watch, which stays silent unless the patch it belongs to comes with the copy and adopts it
+    (:class:`~model_patches.loss.hidden_state_loss.HiddenStateLossForward` does): a patch that stays
+    with the original (``enable_chunked_loss(model=...)``) leaves no watch on the copy that no
+    handle could remove.
+    """
 
     def __init__(self, model: nn.Module, who: str, fix: str) -> None:
         self._name, self._who, self._fix = type(model).__name__, who, fix
         self._routed = trl_heads_routed
+        self.adopted = True  # False in a copy until its patch adopts it
         self._warned = False
         self._depth = 0
         self._start = 0
@@ -88,7 +96,12 @@ class LossUseWatch(Handle):
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "adopted": False}
+
     def _before(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self.adopted:
+            return
         if self._depth == 0 and not torch.compiler.is_compiling():
             self._start = _REACHED[0]
         self._depth += 1  # first: the after-hook runs (always_call) even when this hook raises
@@ -101,6 +114,8 @@ class LossUseWatch(Handle):
             )
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if not self.adopted:
+            return
         self._depth -= 1
         # output None: the call raised (this hook always runs); nothing finished without the loss
         if self._depth or self._warned or output is None or torch.compiler.is_compiling():

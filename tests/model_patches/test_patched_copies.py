@@ -33,8 +33,8 @@ MODELS = {
     "moe": ("qwen3_moe", {}),
 }
 #: the patches of one case: the hidden-state loss, a preset, or both.
-PATCHES = [("hidden_state_loss", None), (None, "full"), (None, "selective"), ("hidden_state_loss", "full"),
-           (None, "non_moe"), (None, "non_moe_no_attn"), ("hidden_state_loss", "non_moe")]
+PATCHES = [("hidden_state_loss", None), (None, "full"), (None, "selective"), (None, "op_sac"), (None, "keep_router"),
+           ("hidden_state_loss", "full"), (None, "non_moe"), (None, "non_moe_no_attn"), ("hidden_state_loss", "non_moe")]
 CASES = [(m, loss, preset) for m in MODELS for loss, preset in PATCHES if m == "moe" or preset not in ("non_moe", "non_moe_no_attn")]
 
 
@@ -181,3 +181,25 @@ def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert eval(out.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_a_copy_of_a_model_under_the_chunked_loss_is_routed_and_carries_no_orphan_watch():
+    """enable_chunked_loss(model=...) routes every model's loss (process-wide) and watches one model:
+    a copy computes the routed loss, and the original's watch does not follow it."""
+    from model_patches.loss.loss_use import LossUseWatch
+
+    def watches(m: torch.nn.Module) -> list[LossUseWatch]:
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+        return [h.__self__ for h in hooks if isinstance(getattr(h, "__self__", None), LossUseWatch)]
+
+    model = tiny_loss_model("llama")
+    batch = _batch()
+    with model_patches.enable_chunked_loss(model=model):
+        assert watches(model) and all(w.adopted for w in watches(model))
+        for how, c in _copies(model).items():
+            assert model_patches.handles(c) == [], how
+            assert watches(c) and not any(w.adopted for w in watches(c)), how  # silent copies of the hooks
+            torch.testing.assert_close(c(**batch).loss, model(**batch).loss, rtol=0, atol=0)
+    # the hidden-state loss adopts the watch that comes with its copy
+    patched = _patched("llama", "hidden_state_loss", None)
+    assert all(w.adopted for w in watches(copy.deepcopy(patched)))
