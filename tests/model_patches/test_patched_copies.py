@@ -161,21 +161,11 @@ def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path
     script = textwrap.dedent(f"""
         import torch, ac_policies, model_patches
         torch.set_num_threads({torch.get_num_threads()})  # this process's reductions, in the same order
+        from tests.model_patches.test_patched_copies import _batch, _step
         model = torch.load({str(path)!r}, weights_only=False)
         assert len(model_patches.handles(model)) == 1 and ac_policies.policy_of(model).active
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, {LOSS_VOCAB}, (2, 12), generator=g)
-        losses = []
-        for _ in range(3):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p -= 0.5 * p.grad
-            model.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        print(repr(losses))
+        batch = _batch()
+        print(repr([_step(model, batch) for _ in range(3)]))
     """)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
