@@ -46,14 +46,20 @@ SECTIONS = {
 
 INSTALL_PLOTS = "Install it with: pip install -e '.[bench]' (or pip install matplotlib)"
 NO_PLOTS = f"matplotlib is not installed: this run measures everything and writes the report without plots. {INSTALL_PLOTS}"
+NO_PROGRESS = "tqdm is not installed: no progress display. Install it with: pip install -e '.[bench]' (or pip install tqdm)"
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (matplotlib, tqdm: the ``bench`` extra)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: import blocked
+        return False
 
 
 def plotting_available() -> bool:
-    """Whether matplotlib can be imported (the ``bench`` extra); without it the report has no plots."""
-    try:
-        return importlib.util.find_spec("matplotlib") is not None
-    except ValueError:  # sys.modules["matplotlib"] is None: import blocked
-        return False
+    """Whether matplotlib can be imported; without it the report has no plots."""
+    return installed("matplotlib")
 
 
 def _available() -> dict[str, object]:
@@ -186,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_header(facts), flush=True)
     if not plotting:
         print(f"\n{NO_PLOTS}", flush=True)
+    if not args.no_progress and not installed("tqdm"):
+        print(f"\n{NO_PROGRESS}", flush=True)
     sections, seconds, failures = [], {}, []
     for name, mod in chosen.items():
         start = time.perf_counter()
