@@ -1,15 +1,32 @@
 """``handles(model)``: the handles of this package's patches that act on a model, found from the
-model itself (a copy's patches included)."""
+model itself (a copy's patches included).
+
+A patch that acts on one model records its handle here (:func:`track`), keyed weakly by the model:
+the entry goes with the model, and a removed handle is no longer listed.
+"""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.nn as nn
 
 from .registry import Handle
 
-__all__ = ["handles"]
+__all__ = ["handles", "modules_of", "track", "tracked"]
+
+_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, list[Handle]]" = weakref.WeakKeyDictionary()
+
+
+def track(model: nn.Module, handle: Handle) -> None:
+    """Record that ``handle`` acts on ``model`` (called by the patches that take a model)."""
+    _BY_MODEL.setdefault(model, []).append(handle)
+
+
+def tracked(model: nn.Module) -> list[Handle]:
+    """The active handles recorded for ``model`` itself (not its submodules)."""
+    return [h for h in _BY_MODEL.get(model, ()) if h.active]
 
 
 def modules_of(obj: Any) -> list[nn.Module]:
@@ -22,14 +39,13 @@ def modules_of(obj: Any) -> list[nn.Module]:
 
 def handles(obj: Any) -> list[Handle]:
     """The active handles of the patches that act on ``obj`` (a model, or anything whose attributes
-    hold one): :func:`~model_patches.enable_hidden_state_loss` on it or on a module inside it.
+    hold one) or on a module inside it: :func:`~model_patches.enable_hidden_state_loss` and
+    :func:`~model_patches.enable_chunked_loss` with ``model=``.
 
-    A deep copy or an unpickled copy of a patched model has patches of its own; this returns their
-    handles, and removing them leaves the original's in place (and the reverse). Process-wide
-    patches (:func:`~model_patches.enable_packing`, :func:`~model_patches.enable_chunked_loss`,
-    :func:`~model_patches.enable_trl_heads`) act on every model and are not listed here.
+    A deep copy or an unpickled copy of a model under the hidden-state loss has a patch of its own;
+    this returns its handle, and removing it leaves the original's in place (and the reverse). The
+    chunked loss routes every model's loss and watches the model it was given, not its copies.
+    Process-wide patches (:func:`~model_patches.enable_packing`, :func:`~model_patches.enable_trl_heads`,
+    ``enable_chunked_loss()`` without a model) act on every model and are not listed here.
     """
-    from .loss.hidden_state_loss import live_patches
-
-    ids = {id(m) for m in modules_of(obj)}
-    return [p.handle for p in live_patches() if id(p.model) in ids]
+    return [h for m in modules_of(obj) for h in tracked(m)]

@@ -30,6 +30,7 @@ import functional_ce
 
 from ..calls import parameters_probe
 from ..checkpoint_resume import enable_resume_conversion
+from ..model_handles import track
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .model_scope import ReleaseWithModel
@@ -173,6 +174,7 @@ def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool
     ))
     handle.companions.append(LossUseWatch(model, "enable_chunked_loss", TRAINER_HEAD_FIX))
     handle.companions.append(ReleaseWithModel(model, handle))
+    track(model, handle)
     return handle
 
 

@@ -40,6 +40,7 @@ from functional_ce.spec import ChunkSize
 
 from ..calls import unwrap_from_under
 from ..checkpoint_resume import enable_resume_conversion
+from ..model_handles import track, tracked
 from ..registry import Handle
 from .causal_lm_parts import (
     VERIFIED_MODEL_TYPES,
@@ -63,7 +64,6 @@ __all__ = [
     "HiddenStateLossHandle",
     "causal_lm_loss",
     "enable_hidden_state_loss",
-    "live_patches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class HiddenStateLossForward:
             model=model, scope=scope,
         )
         self.handle = HiddenStateLossHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
-        _LIVE.add(self)
+        track(model, self.handle)
 
     def below(self) -> Any:
         """What the patch calls outside its loss path: the forward it replaced."""
@@ -236,15 +236,6 @@ class HiddenStateLossForward:
 
     def __repr__(self) -> str:
         return f"<HiddenStateLossForward of {type(self.model).__name__}>"
-
-
-#: Every patch installed and not yet collected (weakly held: a patch lives as long as its model).
-_LIVE: "weakref.WeakSet[HiddenStateLossForward]" = weakref.WeakSet()
-
-
-def live_patches() -> list[HiddenStateLossForward]:
-    """The patches whose handle is active, on models not yet garbage-collected."""
-    return [p for p in list(_LIVE) if p.handle.active]
 
 
 class HiddenStateLossHandle(Handle):
@@ -348,7 +339,7 @@ def enable_hidden_state_loss(
     if getattr(model.config, "output_router_logits", False):
         refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
                 "loss, which this function does not add", "Set config.output_router_logits=False")
-    if any(p.model is model for p in live_patches()):
+    if any(isinstance(h, HiddenStateLossHandle) for h in tracked(model)):
         raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
                          "handle first (model_patches.handles(model) finds it)")
     head = trainer_fused_head(model)

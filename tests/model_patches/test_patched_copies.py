@@ -184,8 +184,9 @@ def test_a_copy_of_a_model_under_the_chunked_loss_is_routed_and_carries_no_orpha
 
     model = tiny_loss_model("llama")
     batch = _batch()
-    with model_patches.enable_chunked_loss(model=model):
+    with model_patches.enable_chunked_loss(model=model) as handle:
         assert watches(model) and all(w.adopted for w in watches(model))
+        assert model_patches.handles(model) == [handle]
         for how, c in _copies(model).items():
             assert model_patches.handles(c) == [], how
             assert watches(c) and not any(w.adopted for w in watches(c)), how  # silent copies of the hooks
