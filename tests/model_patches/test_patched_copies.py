@@ -44,15 +44,22 @@ def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=ids)
 
 
-def _patched(name: str, loss: str | None, preset: str | None) -> torch.nn.Module:
+def _patched(name: str, loss: str | None, preset: str | None, policy_first: bool = False) -> torch.nn.Module:
     family, overrides = MODELS[name]
     model = tiny_loss_model(family, **overrides)
+
+    def policy() -> None:
+        if preset:
+            with warnings.catch_warnings():  # the MoE model under 'full' is told its experts are recomputed
+                warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+                ac_policies.apply_policy(model, preset)
+
+    if policy_first:
+        policy()
     if loss:
         model_patches.enable_hidden_state_loss(model)
-    if preset:
-        with warnings.catch_warnings():  # the MoE model under 'full' is told its experts are recomputed
-            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            ac_policies.apply_policy(model, preset)
+    if not policy_first:
+        policy()
     return model
 
 
@@ -88,10 +95,12 @@ def _copies(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {"deepcopy": copy.deepcopy(model), "pickle": torch.load(buffer, weights_only=False)}
 
 
-@pytest.mark.parametrize("name,loss,preset", CASES)
-def test_a_copy_runs_its_own_weights_and_is_patched_the_same_way(name, loss, preset):
-    original = _patched(name, loss, preset)
-    fresh = _patched(name, loss, preset)  # identical weights, never trained, patched afresh
+@pytest.mark.parametrize("name,loss,preset,policy_first",
+                         [(*case, False) for case in CASES] + [("llama", "hidden_state_loss", "full", True),
+                                                               ("moe", "hidden_state_loss", "non_moe", True)])
+def test_a_copy_runs_its_own_weights_and_is_patched_the_same_way(name, loss, preset, policy_first):
+    original = _patched(name, loss, preset, policy_first)
+    fresh = _patched(name, loss, preset, policy_first)  # identical weights, never trained, patched afresh
     copies = _copies(original)
     batch = _batch()
     for _ in range(2):
