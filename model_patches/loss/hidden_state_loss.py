@@ -38,7 +38,7 @@ import torch.nn as nn
 import functional_ce
 from functional_ce.spec import ChunkSize
 
-from ..calls import unwrap_from_under
+from ..calls import holder_of, unwrap_from_under
 from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track, tracked
 from ..registry import Handle
@@ -222,13 +222,18 @@ class HiddenStateLossForward:
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
     def __getstate__(self) -> dict[str, Any]:
-        if isinstance(self.own, types.FunctionType) and self.own.__closure__:
-            raise TypeError(
-                f"{type(self.model).__name__} cannot be copied with enable_hidden_state_loss on it: the forward "
-                f"under the patch ({self.own.__qualname__}) is a closure, which a copy would share with the original "
-                "and so run the original's weights. Remove the patch (model_patches.handles(model)) or that code "
-                "before copying, then enable it on the copy"
-            )
+        top = self.model.__dict__.get("forward")
+        for where, fn in (("under the patch", self.own), ("installed on top of the patch", top)):
+            function = getattr(fn, "__func__", fn)
+            shared = isinstance(function, types.FunctionType) and bool(function.__closure__)
+            if shared and (fn is self.own or holder_of(fn, self) is not None):
+                raise TypeError(
+                    f"{type(self.model).__name__} cannot be copied with enable_hidden_state_loss on it: the forward "
+                    f"{where} ({function.__qualname__}) is a closure, which a copy would share with the original "
+                    "and so run the original's weights (Accelerate's mixed-precision wrapper, which Trainer installs "
+                    "at train(), is one). Copy the model before that code wraps it, or remove the patch "
+                    "(model_patches.handles(model)) and that code first, then enable the patch on the copy"
+                )
         return {k: getattr(self, k) for k in ("model", "options", "own", "scope", "watch")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

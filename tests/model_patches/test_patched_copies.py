@@ -161,6 +161,21 @@ def test_a_copy_refuses_a_closure_under_the_patch_at_copy_time():
             torch.save(model, io.BytesIO())
 
 
+def test_a_copy_refuses_a_closure_wrapped_on_top_of_the_patch():
+    """What Accelerate's mixed precision does at Trainer.train(): model.forward becomes a closure
+    that calls the patched forward. A copy would share it, so copying refuses."""
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    model = tiny_loss_model("llama")
+    model_patches.enable_hidden_state_loss(model)
+    model._original_forward = model.forward
+    model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
+    with pytest.raises(TypeError, match="installed on top of the patch.*closure"):
+        copy.deepcopy(model)
+    with pytest.raises((TypeError, AttributeError)):  # pickle refuses the closure itself, as for a stock model
+        torch.save(model, io.BytesIO())
+
+
 def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path):
     model = _patched("moe", "hidden_state_loss", "non_moe")
     path = tmp_path / "model.pt"
