@@ -34,9 +34,13 @@ def _zero3_weight_held(weight: Any, who: str) -> None:
     if getattr(weight, "ds_id", None) is None:
         return
     from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    # The stack's first entry is the engine's root, pushed once when the engine was built.
-    for module in FWD_MODULE_STACK[1:]:
+    # The stack's first entry is the engine's root, pushed once when the engine was built; the stack
+    # also keeps entries of engines built before in the process, so a weight not gathered now is
+    # refused whatever the stack holds.
+    held = weight.ds_status != ZeroParamStatus.NOT_AVAILABLE
+    for module in FWD_MODULE_STACK[1:] if held else ():
         if id(weight) in getattr(module, "_external_params", {}) or any(
                 p is weight for p in module.parameters(recurse=False)):
             return
