@@ -94,6 +94,22 @@ def _read_checkpoint(folder: str) -> Optional[dict[str, torch.Tensor]]:
     return None
 
 
+def _saved_names(folder: str) -> Optional[set[str]]:
+    """The names of the tensors saved in ``folder``'s safetensors files, read from their headers
+    (no tensor loaded); None for other checkpoints."""
+    from safetensors import safe_open
+
+    single = os.path.join(folder, "model.safetensors")
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    return None
+
+
 def _disagreements(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> list[str]:
     """The saved tensors the model does not hold: its state dict in the Hub layout, key by key."""
     revert = _conversion_functions()[0]
@@ -128,6 +144,9 @@ def restore_checkpoint_layout(model: torch.nn.Module, folder: str) -> int:
         RuntimeError: the model still disagrees with the checkpoint after the conversion (names the
             tensors), so the resumed run would train other weights than the saved ones.
     """
+    names = _saved_names(folder)
+    if names is not None and names <= model.state_dict().keys():
+        return 0  # saved in the model's own layout: Trainer's load_state_dict put every tensor in place by name
     saved = _read_checkpoint(folder)
     if saved is None:
         return 0
