@@ -1,12 +1,13 @@
 """``python -m bench``: the one-command report, one section per package.
 
-Each section is a module of this package with ``run(args, tick) -> Section``, and optionally
+Each section is a folder ``bench/sections/<key>/``, named as its ``--only`` key, whose ``section``
+module has ``run(args, tick) -> Section``, and optionally
 ``add_arguments(parser)``, ``count(args) -> int`` (the progress steps it will take, for the
 estimate of the time left), ``dtypes(args) -> {part: DtypeChoice}`` (the dtype each part runs in
-and why, :mod:`bench.host_dtype`; printed first and kept in the report) and
+and why, :mod:`bench.harness.host_dtype`; printed first and kept in the report) and
 ``plot(section, out_dir) -> list[Path]``. ``tick(text)`` advances the progress display. Every
-run leaves a report folder (``--out``, see :mod:`bench.report_folder`); ``--compare OLD.json``
-sets each ratio next to an earlier run's (:mod:`bench.compare`).
+run leaves a report folder (``--out``, see :mod:`bench.harness.report_folder`); ``--compare OLD.json``
+sets each ratio next to an earlier run's (:mod:`bench.harness.compare`).
 """
 
 from __future__ import annotations
@@ -24,24 +25,19 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from . import compare, isolated, report_folder
-from .host_dtype import DTYPE_NAMES, DtypeChoice
-from .report import Section, Table
+from bench.harness import compare
+from bench.harness import isolated
+from bench.harness import report_folder
+from bench.harness.host_dtype import DTYPE_NAMES, DtypeChoice
+from bench.harness.report import Section, Table
 
-# name -> module; order is the report's order.
 logger = logging.getLogger("bench")
 T = TypeVar("T")
 
-SECTIONS = {
-    "train": "bench.train",
-    "ce": "bench.ce_logits",
-    "lce": "bench.ce_hidden",
-    "logprobs": "bench.logprobs",
-    "trl": "bench.trl_heads",
-    "dist": "bench.dist",
-    "packing": "bench.packing",
-    "ac": "bench.ac",
-}
+#: The section keys (``--only``), in the report's order. Each is a folder ``bench/sections/<key>/``
+#: whose ``section`` module is the section.
+SECTION_KEYS = ("train", "ce", "lce", "logprobs", "trl", "dist", "packing", "ac")
+SECTIONS = {key: f"bench.sections.{key}.section" for key in SECTION_KEYS}
 
 
 INSTALL_PLOTS = "Install it with: pip install -e '.[bench]' (or pip install matplotlib)"
@@ -100,7 +96,7 @@ def build_parser(mods: dict[str, object]) -> argparse.ArgumentParser:
 
 
 def _header(facts: dict[str, object]) -> str:
-    """The run's facts (see :func:`bench.report_folder.run_facts`) as the first lines printed."""
+    """The run's facts (see :func:`bench.harness.report_folder.run_facts`) as the first lines printed."""
     return f"# bench report {facts['date']}\n" + "\n".join(f"{k}: {v}" for k, v in report_folder.fact_lines(facts))
 
 

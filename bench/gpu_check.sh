@@ -13,13 +13,13 @@
 #   4. the CUDA-only tests (cross-entropy, activation offloading, the step-memory estimate)
 #   5. ac estimate: ac_policies.estimate(device="cuda") against max_memory_allocated over one step,
 #      dense (no policy; hidden-state loss + full) and MoE (non_moe), bf16, 4096 tokens (target 5%;
-#      bench/ac_estimate_cuda.py)
+#      bench/sections/ac/estimate_cuda.py)
 #   6. logprobs: token log-probs and distillation at N=16384, H=4096, V=128256 bf16 against TRL's
 #      Triton kernels and Liger's fused linear JSD
 #   7. the hidden-state loss's chunk rows (512, 1024, 4096), while time is left
 #   8. dist: vocabulary-parallel losses over every GPU (2 or more GPUs only)
 #   9. ac offload: peak device memory and step time of the offload action against checkpoint and
-#      torch's save_on_cpu on 8 MLP blocks, [8192, 2048] bf16 (bench/ac_offload.py)
+#      torch's save_on_cpu on 8 MLP blocks, [8192, 2048] bf16 (bench/sections/ac/offload.py)
 #  10. train context: the longest context within +8GiB, stock+hf_gc vs the library, while time is left
 # Files in OUT_DIR: log.txt (everything printed), train/, ce/, lce/, logprobs/ (report folders:
 # report.md, report.json), train.json, ce.json, lce.json, logprobs.json, cuda_tests.txt,
@@ -66,7 +66,7 @@ step "3 lce N=16384 H=4096 V=128256 bf16" 150 python -m bench --device cuda --on
     --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-profile --out "$out/lce" --json "$out/lce.json"
 step "4 CUDA-only tests" 90 bash -o pipefail -c "python -m pytest -q -m cuda -p no:cacheprovider tests/functional_ce/test_ce_cuda.py \
     tests/ac_policies/test_ac_offload.py tests/ac_policies/test_estimate_cuda.py | tee '$out/cuda_tests.txt'"
-step "5 ac estimate vs max_memory_allocated, bf16, 4096 tokens" 90 python -m bench.ac_estimate_cuda \
+step "5 ac estimate vs max_memory_allocated, bf16, 4096 tokens" 90 python -m bench.sections.ac.estimate_cuda \
     --seq 4096 --out "$out"
 step "6 logprobs N=16384 H=4096 V=128256 bf16" 180 python -m bench --device cuda --only logprobs --no-progress \
     --logprobs-tables logprobs,distill_hidden --logprobs-n 16384 --logprobs-h 4096 --logprobs-v 128256 \
@@ -86,7 +86,7 @@ else
     echo "== 8 dist: skipped, the vocabulary-parallel benchmark needs 2 or more GPUs and this machine has $gpus" \
         | tee -a "$log"
 fi
-step "9 ac offload vs checkpoint vs save_on_cpu, 8 x [8192, 2048] bf16" 90 python -m bench.ac_offload \
+step "9 ac offload vs checkpoint vs save_on_cpu, 8 x [8192, 2048] bf16" 90 python -m bench.sections.ac.offload \
     --layers 8 --hidden 2048 --tokens 8192 --dtype bf16 --repeats 5 --json "$out/ac_offload.json"
 step "10 train context within +8GiB, stock+hf_gc vs library" 240 python -m bench --device cuda --only train \
     --no-progress --train-dtype bf16 --train-variants stock+hf_gc --train-steps 2 --train-context on \

@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the full-stack policy tests:
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the full-stack policy tests:
 a tiny Qwen3-MoE with an ``ac_policies`` preset, per-block ``torch.compile`` and FSDP2
 ``fully_shard``, in torchtitan's order (policy, then per-block compile, then ``fully_shard``) or
 in another order, against the single-process model without checkpointing."""

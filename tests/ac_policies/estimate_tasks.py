@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the FSDP2 estimate
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the FSDP2 estimate
 check: a tiny model sharded with ``fully_shard`` (each decoder block, then the root), one warm-up
 step (FSDP2 makes its all-gather buffers at the first forward), then the per-process live-tensor
 bytes of one measured step (``measure_step``) next to ``estimate(world_size=...)`` of the same

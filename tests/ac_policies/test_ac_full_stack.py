@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ac_policies import ac_stack_tasks as tasks
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 
 #: preset -> whether the router's forward is rerun in backward (``full`` checkpoints whole
 #: blocks; ``selective`` saves matmuls, the router's included; the ``non_moe`` presets leave the

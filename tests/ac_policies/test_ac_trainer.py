@@ -63,7 +63,7 @@ def test_trainer_refusal_names_the_training_argument_and_following_it_trains(tmp
 
 def test_sft_trainer_defaults_are_refused_and_the_named_argument_trains(tmp_path) -> None:
     pytest.importorskip("trl")
-    from tests.support.trainers import sft_trainer
+    from bench.harness.trainers import sft_trainer
 
     rows = [row["input_ids"].tolist() for row in _dataset()]
     argument = trainer_checkpointing_argument()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.ac_policies import estimate_tasks as tasks
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 
 pool = dist_pool_fixture(2)
 

@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow  # about a minute on 2 cores; step_bytes itself is tested in the default run
 @pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
 def test_bench_ac_reports_step_peak_next_to_kept_bytes():
-    from bench import ac
+    from bench.sections.ac import section as ac
 
     args = argparse.Namespace(ac_seq=32, ac_layers=1, ac_repeats=1, ac_time_budget=0.0, ac_sensitivity="on",
                               ac_budgets="off", ac_estimate="off", device="cpu")
@@ -30,7 +30,7 @@ def test_bench_ac_reports_step_peak_next_to_kept_bytes():
 @pytest.mark.slow  # fit() three times and four compiles per model: about a minute on 2 cores
 @pytest.mark.filterwarnings("ignore::ac_policies.ACPolicyWarning")
 def test_bench_ac_budget_tables_fit_within_budget():
-    from bench import ac_budgets
+    from bench.sections.ac import budgets as ac_budgets
 
     args = argparse.Namespace(ac_budgets_at=ac_budgets.FULL_BUDGETS, ac_budgets_seq=32, ac_budgets_layers=2, device="cpu")
     tables, data = ac_budgets.run(args, tick=lambda msg: None)
@@ -67,7 +67,7 @@ def test_bench_ac_budget_tables_fit_within_budget():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_bench_ac_offload_refuses_without_cuda(capsys):
-    from bench import ac_offload
+    from bench.sections.ac import offload as ac_offload
 
     assert ac_offload.main(["--layers", "1"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
@@ -75,7 +75,7 @@ def test_bench_ac_offload_refuses_without_cuda(capsys):
 
 @pytest.mark.slow  # two child processes at sequence 256, each builds a 32k-vocabulary model: about a minute
 def test_bench_ac_estimate_measures_each_case_in_its_own_process(monkeypatch):
-    from bench import ac_estimate
+    from bench.sections.ac import estimate as ac_estimate
 
     cases = [("llama", "none", False), ("llama", "full", True)]
     monkeypatch.setattr(ac_estimate, "QUICK_CASES", cases)  # the quick run's cases (no --full here)
@@ -90,10 +90,11 @@ def test_bench_ac_estimate_measures_each_case_in_its_own_process(monkeypatch):
     assert ac_estimate.run(argparse.Namespace(ac_estimate="off"), tick=lambda msg: None) == ([], [])
 
 
-def test_bench_ac_estimate_modules_do_not_import_the_tests_package():
+def test_no_bench_module_imports_the_tests_package():
     root = pathlib.Path(__file__).resolve().parents[2] / "bench"
-    for name in ("ac_estimate.py", "ac_estimate_worker.py", "ac_estimate_cuda.py"):
-        tree = ast.parse((root / name).read_text())
+    for path in sorted(root.rglob("*.py")):
+        name = str(path.relative_to(root))
+        tree = ast.parse(path.read_text())
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
         assert not [m for m in imported if m == "tests" or m.startswith("tests.")], name
@@ -101,7 +102,7 @@ def test_bench_ac_estimate_modules_do_not_import_the_tests_package():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_bench_ac_estimate_cuda_refuses_without_cuda(capsys, tmp_path):
-    from bench import ac_estimate_cuda
+    from bench.sections.ac import estimate_cuda as ac_estimate_cuda
 
     assert ac_estimate_cuda.main(["--out", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err

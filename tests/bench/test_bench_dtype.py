@@ -13,9 +13,12 @@ from typing import Any
 
 import pytest
 
-from bench import ce_hidden, host_dtype
+from bench.sections.lce import section as ce_hidden
+from bench.harness import host_dtype
 from bench.__main__ import _available, build_parser, main, section_dtypes
-from bench.measure import Measurement, run_spec
+from bench.harness.measure import Measurement, run_spec
+from bench.harness.isolated import reference
+from bench.sections.lce import hf_models
 
 #: torch's ``get_cpu_capability()`` values and the bf16 ones host_capability adds.
 NO_BF16_UNITS = ["AVX2", "AVX512", "NO AVX", "DEFAULT", "SVE256", "VSX", "Z VECTOR"]
@@ -177,13 +180,13 @@ class _Recorder:
     from the ``dtype`` it is handed); every call's setup and keywords are kept."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[tuple[Any, dict[str, Any]]] = []
 
-    def __call__(self, setup: str, kwargs: dict[str, Any], *, device: str = "cpu", repeats: int = 1,
+    def __call__(self, setup: Any, kwargs: dict[str, Any], *, device: str = "cpu", repeats: int = 1,
                  **_: Any) -> Measurement:
         self.calls.append((setup, dict(kwargs)))
-        if setup == "bench.ce_hidden:setup_eager" and not kwargs.get("compiled"):
-            return run_spec({"setup": setup, "kwargs": kwargs, "device": device, "warmup": 1, "repeats": 1})
+        if setup is ce_hidden.setup_eager and not kwargs.get("compiled"):
+            return run_spec({"setup": reference(setup), "kwargs": kwargs, "device": device, "warmup": 1, "repeats": 1})
         return Measurement(seconds=1e-3, peak_extra_bytes=0)
 
 
@@ -198,7 +201,7 @@ def test_a_section_runs_in_the_chosen_dtype_and_the_report_says_why(monkeypatch,
     capability(cap)
     recorder = _Recorder()
     monkeypatch.setattr(ce_hidden, "measure", recorder)
-    monkeypatch.setattr("bench.ce_hidden_hf.measure", recorder)
+    monkeypatch.setattr(hf_models, "measure", recorder)
     out = tmp_path / "run"
     argv = ["--only", "lce", "--device", "cpu", "--lce-shape", "64,32,512", "--lce-repeats", "1", "--lce-hf",
             "1,16,512", "--lce-variants", ce_hidden.BASELINE, "--no-progress", "--out", str(out), *extra]
@@ -206,7 +209,7 @@ def test_a_section_runs_in_the_chosen_dtype_and_the_report_says_why(monkeypatch,
 
     # the section handed every variant, its Hugging Face table too, the chosen dtype
     assert recorder.calls and {kwargs["dtype"] for _, kwargs in recorder.calls} == {dtype}
-    assert {setup for setup, _ in recorder.calls} >= {"bench.ce_hidden:setup_eager", "bench.ce_hidden_hf:setup_hf"}
+    assert {setup for setup, _ in recorder.calls} >= {ce_hidden.setup_eager, hf_models.setup_hf}
     header = capsys.readouterr().out
     assert f"dtype lce: {dtype} - {reason}" in header
     assert f"cpu capability: {cap}" in header

@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench import logprobs, logprobs_steps
-from bench import measure as bench_measure
-from bench.report import Section
+from bench.sections.logprobs import section as logprobs
+from bench.sections.logprobs import steps as logprobs_steps
+from bench.harness import measure as bench_measure
+from bench.harness.isolated import reference
+from bench.harness.report import Section
 
 TINY = ["--logprobs-n", "64", "--logprobs-h", "32", "--logprobs-v", "512", "--logprobs-repeats", "1"]
 
@@ -36,11 +38,11 @@ def _expected(problem: logprobs.Problem, skip: tuple[str, ...] = ()) -> set[str]
     return {name for name, (_, available) in problem.variants.items() if available("cpu") is None} - set(skip)
 
 
-def _in_process(setup: str, kwargs: dict[str, Any], *, device: str = "cpu", warmup: int = 1, repeats: int = 3,
+def _in_process(setup: Any, kwargs: dict[str, Any], *, device: str = "cpu", warmup: int = 1, repeats: int = 3,
                 timeout: float = 600.0) -> bench_measure.Measurement:
-    """``bench.measure.measure`` without the child process (what the child runs, in this one)."""
-    return bench_measure.run_spec({"setup": setup, "kwargs": kwargs, "device": device, "warmup": warmup,
-                               "repeats": repeats})
+    """``bench.harness.measure.measure`` without the child process (what the child runs, in this one)."""
+    return bench_measure.run_spec({"setup": reference(setup), "kwargs": kwargs, "device": device,
+                                   "warmup": warmup, "repeats": repeats})
 
 
 def _check_rows(table: dict[str, Any], expected: set[str]) -> None:

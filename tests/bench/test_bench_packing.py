@@ -6,7 +6,7 @@ import argparse
 
 
 def test_family_table_separates_covered_made_correct_and_refused() -> None:
-    from bench.packing_families import family_table
+    from bench.sections.packing.families import family_table
 
     args = argparse.Namespace(packing_sweep=["llama", "falcon+alibi", "bamba", "rwkv"])
     table, data = family_table(args, "python -m bench --only packing", tick=lambda msg: None)

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import compare, modes, report_folder
+from bench.harness import compare
+from bench.harness import modes
+from bench.harness import report_folder
 from bench.__main__ import main
-from bench.report import Section, Table
+from bench.harness.report import Section, Table
 
 COLUMNS = ["variant", "time (ms)", "x baseline", "peak extra (MiB)", "x baseline", "status"]
 
@@ -136,7 +138,12 @@ def _section_args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_quick_and_full_runs_plan_their_progress_steps():
-    from bench import ac, ce_hidden, ce_logits, dist, logprobs, packing
+    from bench.sections.ac import section as ac
+    from bench.sections.lce import section as ce_hidden
+    from bench.sections.ce import section as ce_logits
+    from bench.sections.dist import section as dist
+    from bench.sections.logprobs import section as logprobs
+    from bench.sections.packing import section as packing
 
     quick, full = _section_args([]), _section_args(["--full"])
     for section in (ce_logits, ce_hidden, logprobs, dist, packing, ac):

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.train_context import Budget, longest_fitting, parse_budget
-from bench.train_data import (DISTRIBUTION, LengthDistribution, context_documents, padded_batch, real_tokens,
+from bench.sections.train.context import Budget, longest_fitting, parse_budget
+from bench.sections.train.data import (DISTRIBUTION, LengthDistribution, context_documents, padded_batch, real_tokens,
                               scored_tokens, step_documents)
-from bench.train_variants import loss_agreement
+from bench.sections.train.variant_table import loss_agreement
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
@@ -91,7 +91,7 @@ def test_length_distribution_has_its_documented_statistics():
 
 
 def test_padded_and_packed_layouts_score_the_same_tokens():
-    from bench.train_data import packed_batch
+    from bench.sections.train.data import packed_batch
 
     for docs in step_documents(steps=4, docs_per_step=5, max_len=128, vocab=1000, seed=1):
         padded = padded_batch(docs)
@@ -132,7 +132,7 @@ def _fake_run(tokens_per_s: float, peak_mib: float, phase: str = "backward") -> 
 
 
 def test_each_variant_is_compared_with_stock_of_the_same_checkpointing_and_trainer():
-    from bench.train_variants import VARIANTS, loss_reference, same_checkpointing
+    from bench.sections.train.variant_table import VARIANTS, loss_reference, same_checkpointing
 
     every = list(VARIANTS)
     assert same_checkpointing("hidden_loss", every) == "stock"
@@ -146,7 +146,7 @@ def test_each_variant_is_compared_with_stock_of_the_same_checkpointing_and_train
 
 
 def test_variants_leave_out_sft_trainer_without_trl(monkeypatch, caplog):
-    import bench.train_variants as tv
+    import bench.sections.train.variant_table as tv
 
     monkeypatch.setattr(tv, "trl_available", lambda: False)
     assert tv.variants_for(["stock", "sft", "sft:all", "ac:non_moe"], "dense") == ["stock"]
@@ -158,7 +158,7 @@ def test_variants_leave_out_sft_trainer_without_trl(monkeypatch, caplog):
 
 
 def test_comparison_table_pairs_one_change_and_judges_the_targets():
-    from bench.train_compare import comparison_table
+    from bench.sections.train.compare import comparison_table
 
     results = {"stock": _fake_run(100, 1000), "hidden_loss": _fake_run(120, 400), "packing": _fake_run(125, 900),
                "stock+hf_gc": _fake_run(80, 800), "all": {"error": "killed"}}
@@ -178,7 +178,7 @@ def test_comparison_table_pairs_one_change_and_judges_the_targets():
 
 
 def test_what_holds_the_peak_names_the_phase_and_its_parts():
-    from bench.train_meter import phase_peaks, what_holds
+    from bench.sections.train.meter import phase_peaks, what_holds
 
     r = _fake_run(1.0, 600, "backward")
     assert phase_peaks(r) == "50 / 700 / 50"
@@ -190,7 +190,7 @@ def test_what_holds_the_peak_names_the_phase_and_its_parts():
 def test_longest_context_table_searches_both_and_compares_at_stocks_longest(monkeypatch):
     """The context table on a fake worker: stock costs 2 MiB a token, the library 0.1 MiB, both
     +600 MiB; a 1 GiB budget fits 212 and 4240 tokens."""
-    import bench.train_longest as tl
+    import bench.sections.train.longest as tl
 
     asked = []
 
@@ -228,7 +228,7 @@ def _spec(variant: dict, steps: int = 5) -> dict:
 
 @pytest.mark.slow  # four training processes, about a minute on 2 cores
 def test_loss_check_fails_on_a_deliberately_wrong_variant():
-    from bench.train_variants import run_variant
+    from bench.sections.train.variant_table import run_variant
 
     stock = run_variant(_spec({}), timeout=600)
     library = run_variant(_spec({"packing": True, "hidden_loss": True, "policy": "full"}), timeout=600)
@@ -245,7 +245,7 @@ def test_sft_trainer_variants_train_to_the_trainer_losses():
     """SFTTrainer with TRL's padding, with PackingCollator, and with everything on: the same
     documents per step and the same losses as transformers.Trainer's stock run."""
     pytest.importorskip("trl")
-    from bench.train_variants import run_variant
+    from bench.sections.train.variant_table import run_variant
 
     stock = run_variant(_spec({}), timeout=600)
     for variant in ({"trainer": "sft"}, {"trainer": "sft", "packing": True},
@@ -258,7 +258,7 @@ def test_sft_trainer_variants_train_to_the_trainer_losses():
 
 @pytest.mark.slow  # about ten training processes at tiny widths: a couple of minutes on 2 cores
 def test_bench_train_section_end_to_end():
-    from bench import train
+    from bench.sections.train import section as train
 
     args = argparse.Namespace(
         device="cpu", full=False, train_full=False, train_models=["qwen3-0.6b", "qwen3-30b-a3b"],

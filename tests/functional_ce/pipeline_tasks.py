@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the pipeline-parallel tests.
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the pipeline-parallel tests.
 
 A tiny 4-block language model (embedding, two tanh layers, the LM head) is built from one seed
 on every rank and split into pipeline stages: two stages (one per rank) for GPipe and 1F1B,

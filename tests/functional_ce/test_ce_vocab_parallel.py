@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from tests.functional_ce import vocab_parallel_tasks as tasks
 from tests.functional_ce.ce_cases import ROUNDING, absmax, make_case, worst
 from tests.functional_ce.linear_cases import make_linear_case, reference_linear
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 from tests.support.reference import reference_cross_entropy
 
 V = 509

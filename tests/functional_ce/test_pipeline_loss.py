@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.functional_ce import pipeline_tasks as tasks
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 
 
 pool = dist_pool_fixture(2)

@@ -17,7 +17,7 @@ import torch
 from tests.functional_ce import token_losses_parallel_tasks as tasks
 from tests.functional_ce.ce_cases import ROUNDING, absmax
 from tests.functional_ce.token_losses_parallel_tasks import TokenCase
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 
 V = 509
 MESHES = [((2,), 0), ((3,), 0), ((4,), 0), ((2, 2), 1)]

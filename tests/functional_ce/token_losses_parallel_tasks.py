@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the vocabulary-parallel and
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the vocabulary-parallel and
 FSDP2 tests of token log-probs (with entropy) and distillation.
 
 Every task rebuilds the seeded full inputs (identical on every rank), places them as the layout
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import functional_ce
 from tests.functional_ce.vocab_parallel_tasks import placements
-from tests.support.comm_bytes import CommBytes
+from bench.harness.comm_bytes import CommBytes
 from tests.support.reference import reference_generalized_jsd, reference_token_logprobs, reference_token_stats
 
 

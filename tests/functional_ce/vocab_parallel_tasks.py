@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the vocabulary-parallel tests.
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the vocabulary-parallel tests.
 
 Every task rebuilds the seeded full inputs (identical on every rank), shards them with
 ``distribute_tensor``, runs the loss and backward with a seeded upstream gradient, counts the
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import functional_ce
 from tests.functional_ce.ce_cases import make_case
 from tests.functional_ce.linear_cases import make_linear_case, reference_linear
-from tests.support.comm_bytes import CommBytes
+from bench.harness.comm_bytes import CommBytes
 from tests.support.reference import reference_cross_entropy
 
 

@@ -1,6 +1,6 @@
 """Training runs through ``transformers.Trainer`` and TRL's ``SFTTrainer`` under Accelerate's
 engines, for the engine tests: the same function runs on every process of a
-:class:`tests.support.dist_pool.DistPool` (sharded) and in the test's own process (the
+:class:`bench.harness.dist_pool.DistPool` (sharded) and in the test's own process (the
 one-process reference).
 
 A run builds the seeded tiny Llama, applies the named patches, and trains ``steps`` optimizer
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from tests.support.trainers import token_rows
+from bench.harness.trainers import token_rows
 
 ROWS = 24
 STEPS = 3
@@ -107,7 +107,7 @@ def train(mesh: Any, trainer: str, patches: tuple[str, ...], world: int = 1, fsd
     """Train the tiny Llama with ``trainer`` (``"trainer"`` or ``"sft"``) and ``patches`` on ``world``
     processes (``fsdp``: the ``fsdp_config`` of Accelerate's FSDP2; ``zero``: a DeepSpeed ZeRO
     stage; neither: no sharding)."""
-    from tests.support import engines
+    from bench.harness import engines
 
     if not engines.enter_run(world, mesh is not None):
         return None
@@ -164,7 +164,7 @@ def _trainer(kind: str, model: torch.nn.Module, out: str, settings: dict[str, An
     import trl
     from datasets import Dataset
 
-    from tests.support.trainers import word_tokenizer
+    from bench.harness.trainers import word_tokenizer
 
     config = trl.SFTConfig(output_dir=out, max_length=32, gradient_checkpointing=False, **settings)
     data = Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows]})
@@ -178,7 +178,7 @@ def refusal(mesh: Any, order: str) -> str:
     import torch.distributed as dist
 
     from ac_policies import apply_policy
-    from tests.support import engines
+    from bench.harness import engines
     from tests.support.tiny_models import tiny_loss_model
 
     if mesh is None:

@@ -1,4 +1,4 @@
-"""What each process of a :class:`tests.support.dist_pool.DistPool` runs for the FSDP2 loss tests.
+"""What each process of a :class:`bench.harness.dist_pool.DistPool` runs for the FSDP2 loss tests.
 
 Each task builds the same seeded tiny model on every rank, keeps an unsharded copy as the
 reference, shards the model with ``fully_shard`` (each decoder layer, then the root), runs one
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.batches import padded_batch
-from tests.support.comm_bytes import CommBytes
+from bench.harness.comm_bytes import CommBytes
 from tests.support.tiny_models import tiny_loss_model
 
 

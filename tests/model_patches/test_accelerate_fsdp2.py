@@ -3,7 +3,7 @@ through ``transformers.Trainer`` and TRL's ``SFTTrainer`` and ``GRPOTrainer``, o
 sharing one process group for the module.
 
 Accelerate takes its FSDP path only on an accelerator; on these CPU processes the test overrides
-its distributed-type decision and nothing else (:mod:`tests.support.engines` says what and why).
+its distributed-type decision and nothing else (:mod:`bench.harness.engines` says what and why).
 Each run must log, step by step, the losses of the same training on one process without sharding
 (same global batches, same order), and end with the same parameters. The one-process reference
 runs in the test's own process.
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from tests.model_patches import engine_tasks  # noqa: E402
-from tests.support.dist_pool import dist_pool_fixture  # noqa: E402
+from bench.harness.dist_pool import dist_pool_fixture  # noqa: E402
 
 pool = dist_pool_fixture(2)
 

@@ -2,7 +2,7 @@
 processes sharing one process group for the module, DeepSpeed on its CPU accelerator.
 
 Accelerate counts the processes of a DeepSpeed run on CPU as one; the test overrides that one
-decision (:func:`tests.support.engines.accelerate_deepspeed_on_cpu`). ZeRO-3 partitions every
+decision (:func:`bench.harness.engines.accelerate_deepspeed_on_cpu`). ZeRO-3 partitions every
 parameter (no persistence threshold), the LM head included. Each run must log the losses of the
 same training on one process without DeepSpeed and end with the same parameters; so must
 SFTTrainer with TRL's fused heads routed through functional_ce under ZeRO-3.
@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
 from tests.model_patches import engine_tasks  # noqa: E402
-from tests.support.dist_pool import dist_pool_fixture  # noqa: E402
+from bench.harness.dist_pool import dist_pool_fixture  # noqa: E402
 
 pool = dist_pool_fixture(2)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.model_patches import fsdp_tasks
-from tests.support.dist_pool import dist_pool_fixture
+from bench.harness.dist_pool import dist_pool_fixture
 
 
 pool = dist_pool_fixture(2)

@@ -300,7 +300,7 @@ def fsdp_step(mesh):
     from torch.distributed import get_rank, get_world_size
     from torch.distributed.tensor import DTensor
 
-    from tests.support.comm_bytes import CommBytes
+    from bench.harness.comm_bytes import CommBytes
     from tests.model_patches.fsdp_tasks import _full_grads, _shard
 
     if mesh is None:
@@ -346,7 +346,7 @@ def fsdp_step(mesh):
 
 
 def test_fsdp2_student_and_teacher():
-    from tests.support.dist_pool import DistPool
+    from bench.harness.dist_pool import DistPool
 
     pool = DistPool(2)
     try:

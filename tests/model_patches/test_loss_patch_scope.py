@@ -24,7 +24,7 @@ import model_patches  # noqa: E402
 from model_patches import enable_chunked_loss, enable_hidden_state_loss  # noqa: E402
 from model_patches.loss import trl_heads  # noqa: E402
 from tests.support.tiny_models import tiny_loss_model  # noqa: E402
-from tests.support.trainers import logged_losses, sft_trainer, token_rows  # noqa: E402
+from bench.harness.trainers import logged_losses, sft_trainer, token_rows  # noqa: E402
 
 import trl.trainer.distillation_trainer as distillation_module  # noqa: E402
 import trl.trainer.utils as trl_utils  # noqa: E402

@@ -128,7 +128,7 @@ def test_remove_after_trainer_bf16_takes_the_patch_out_from_under_accelerate_aut
     those wrappers and makes them call the model's own forward."""
     from transformers import Trainer, TrainingArguments
 
-    from tests.support.trainers import token_rows
+    from bench.harness.trainers import token_rows
 
     model = tiny_loss_model("llama")
     handle = enable_hidden_state_loss(model)
@@ -155,19 +155,19 @@ def test_remove_after_trainer_bf16_takes_the_patch_out_from_under_accelerate_aut
 @pytest.fixture(scope="module")
 def rows():
     pytest.importorskip("trl")
-    from tests.support.trainers import token_rows
+    from bench.harness.trainers import token_rows
 
     return token_rows(12, 16)
 
 
 def _sft(model, tmp_path, rows, name):
-    from tests.support.trainers import sft_trainer
+    from bench.harness.trainers import sft_trainer
 
     return sft_trainer(model, tmp_path / name, rows)
 
 
 def test_hidden_state_loss_under_sft_trainer_is_refused_in_either_order(tmp_path, rows, counted):
-    from tests.support.trainers import logged_losses
+    from bench.harness.trainers import logged_losses
 
     plain = logged_losses(_sft(tiny_loss_model("llama"), tmp_path, rows, "plain"))
 
@@ -205,7 +205,7 @@ def test_packing_patch_under_sft_trainer_gives_trl_losses(tmp_path, layout):
     """TRL's own layouts (padded rows; packed or padding-free rows with restarting position_ids and
     no mask) train to the same losses with the packing patch on as without it."""
     pytest.importorskip("trl")
-    from tests.support.trainers import SFT_LAYOUTS, logged_losses, sft_trainer, token_rows
+    from bench.harness.trainers import SFT_LAYOUTS, logged_losses, sft_trainer, token_rows
 
     rows = token_rows(12, 16, ragged=True)
     config = SFT_LAYOUTS[layout]
@@ -219,7 +219,7 @@ def test_packing_patch_under_sft_trainer_gives_trl_losses(tmp_path, layout):
 
 
 def test_chunked_loss_under_sft_trainer_is_refused_until_trl_heads_are_routed(tmp_path, rows, counted):
-    from tests.support.trainers import logged_losses
+    from bench.harness.trainers import logged_losses
 
     plain = logged_losses(_sft(tiny_loss_model("llama"), tmp_path, rows, "plain"))
     with enable_chunked_loss():
@@ -236,7 +236,7 @@ def _grpo(model, out_dir, steps: int = 2):
     import trl
     from datasets import Dataset
 
-    from tests.support.trainers import token_rows, word_tokenizer
+    from bench.harness.trainers import token_rows, word_tokenizer
 
     prompts = [" ".join(f"t{i}" for i in row) for row in token_rows(8, 6)]
     args = trl.GRPOConfig(
@@ -253,7 +253,7 @@ def test_grpo_trainer_routes_its_head_refuses_the_hidden_state_loss_and_generate
                                                                                               monkeypatch):
     """GRPO generates its rollouts (under the packing patch here) and scores them with TRL's fused
     head: routed, the head runs on functional_ce with TRL's metrics and gradients."""
-    from tests.support.trainers import logged
+    from bench.harness.trainers import logged
 
     calls = []
     real = functional_ce.linear_token_logprobs
@@ -276,7 +276,7 @@ def test_packing_collator_under_sft_trainer_is_refused_without_the_patch_and_tra
                                                                                            counted, monkeypatch):
     """``SFTTrainer(data_collator=PackingCollator(...))``: refused at the first batch without the
     packing patch; with it (and TRL's head routed) it trains on functional_ce."""
-    from tests.support.trainers import logged_losses
+    from bench.harness.trainers import logged_losses
 
     calls = []
     real = functional_ce.linear_token_logprobs
@@ -298,7 +298,7 @@ def _distillation(student, out_dir, steps: int = 2):
     import trl
     from datasets import Dataset
 
-    from tests.support.trainers import token_rows, word_tokenizer
+    from bench.harness.trainers import token_rows, word_tokenizer
 
     prompts = [" ".join(f"t{i}" for i in row) for row in token_rows(8, 6)]
     args = trl.DistillationConfig(
@@ -313,7 +313,7 @@ def _distillation(student, out_dir, steps: int = 2):
 def test_distillation_trainer_routes_its_divergence_and_refuses_the_hidden_state_loss(tmp_path, rows, monkeypatch):
     """TRL's DistillationTrainer never calls the student's loss: its chunked divergence runs on
     functional_ce when routed (TRL's losses), and a hidden-state loss on the student is refused."""
-    from tests.support.trainers import logged
+    from bench.harness.trainers import logged
 
     calls = []
     real = functional_ce.linear_distillation_loss

@@ -188,7 +188,7 @@ def test_sft_trainer_with_peft_config_gives_stock_peft_losses(tmp_path, counted)
     and TRL's heads routed through functional_ce train to stock PEFT's losses and adapters; the
     hidden-state loss is refused with the fix, since TRL's own fused head computes the loss."""
     pytest.importorskip("trl")
-    from tests.support.trainers import logged_losses, sft_trainer, token_rows
+    from bench.harness.trainers import logged_losses, sft_trainer, token_rows
     from ac_policies.apply import trainer_checkpointing_argument
 
     rows = token_rows(12, 16, ragged=True)

@@ -290,7 +290,7 @@ def test_without_trl_the_records_are_skipped_with_the_reason(monkeypatch):
 
 
 def _sft_trainer(tmp_path, layout="padded"):
-    from tests.support.trainers import SFT_LAYOUTS, sft_trainer, token_rows
+    from bench.harness.trainers import SFT_LAYOUTS, sft_trainer, token_rows
 
     rows = token_rows(12, 40, ragged=True)
     return sft_trainer(tiny_loss_model("llama", vocab_size=128), tmp_path, rows, **{"max_length": 64,
@@ -298,7 +298,7 @@ def _sft_trainer(tmp_path, layout="padded"):
 
 
 def _losses(trainer):
-    from tests.support.trainers import logged
+    from bench.harness.trainers import logged
 
     return logged(trainer, "loss", "entropy", "mean_token_accuracy")
 

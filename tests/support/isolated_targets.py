@@ -1,4 +1,4 @@
-"""Functions the tests of :mod:`bench.isolated` run in its child processes. This module imports
+"""Functions the tests of :mod:`bench.harness.isolated` run in its child processes. This module imports
 nothing beyond the standard library, so what a child finds imported, the server imported."""
 
 from __future__ import annotations

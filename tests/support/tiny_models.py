@@ -1,7 +1,8 @@
 """The tiny random-init Hugging Face models of the test suites, as size tables for
 :func:`model_patches.testing.tiny_causal_lm` (no downloads).
 
-- Loss models (``model_patches`` loss tests): :data:`LOSS_SIZES` for every family (hidden 64,
+- Loss models (``model_patches`` loss tests and the bench; defined in
+  :mod:`model_patches.testing.tiny_models`): :data:`LOSS_SIZES` for every family (hidden 64,
   2 layers, vocabulary :data:`LOSS_VOCAB`), :data:`LOSS_FAMILIES` on top; fp32 unless asked
   otherwise, each family's default attention backend, training mode.
 - Checkpointing models (``ac_policies`` tests): :data:`AC_SIZES` (hidden 32, 2 layers) with
@@ -18,47 +19,7 @@ from typing import Any
 import torch
 
 from model_patches.testing import tiny_causal_lm
-
-LOSS_VOCAB = 300
-
-LOSS_SIZES: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, vocab_size=LOSS_VOCAB, max_position_embeddings=256,
-)
-
-#: model_type -> config overrides. Gemma 2/3 tie their embeddings by default and soft-cap logits.
-LOSS_FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "qwen2": {},
-    "qwen3": {},
-    "mistral": {},
-    "gemma2": {"final_logit_softcapping": 5.0},
-    "gemma3_text": {"final_logit_softcapping": 5.0},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "shared_expert_intermediate_size": 32},
-    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "gemma": {},
-    "olmo2": {},
-    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
-    "smollm3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
-}
-
-
-def tiny_loss_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    **overrides: Any) -> torch.nn.Module:
-    """A tiny causal LM of ``model_type`` in ``dtype`` with seeded random weights, in training mode.
-
-    An override of ``None`` switches that setting off on the built model's config (for settings
-    read in forward, such as ``final_logit_softcapping=None``: no soft-capping).
-    """
-    switched_off = [name for name, value in overrides.items() if value is None]
-    model = tiny_causal_lm(model_type, None, seed, sizes=LOSS_SIZES, family_sizes=LOSS_FAMILIES,
-                           dtype=dtype, train=True, **overrides)
-    for name in switched_off:
-        setattr(model.config, name, None)
-    return model
-
+from model_patches.testing.tiny_models import LOSS_FAMILIES, LOSS_SIZES, LOSS_VOCAB, tiny_loss_model
 
 AC_SIZES: dict[str, Any] = dict(
     hidden_size=32,
