@@ -31,9 +31,10 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".torch-matrix"
@@ -55,9 +56,9 @@ DEFAULT_RELEASES = ["2.15.0"]
 # default profile (the nightly run does, on every release in RELEASES above the floor).
 DEFAULT_TESTS = [
     "tests/functional_ce/test_linear_ce.py",              # custom ops, torch's F.linear_cross_entropy
-    "tests/functional_ce/test_pipeline_loss.py",          # torch.distributed.pipelining
-    "tests/model_patches/test_fsdp_causal_lm_loss.py",    # FSDP2 fully_shard, DTensor
-    "tests/model_patches/test_packing_compile.py",        # compiled attention masks, fullgraph
+    "tests/functional_ce/distributed/test_pipeline_loss.py",          # torch.distributed.pipelining
+    "tests/model_patches/loss/test_causal_lm_loss_fsdp.py",    # FSDP2 fully_shard, DTensor
+    "tests/model_patches/packing/test_packing_compile.py",        # compiled attention masks, fullgraph
     "tests/ac_policies/test_ac_op_sac.py",                # selective checkpointing contexts
     "tests/ac_policies/test_ac_compose.py",               # policies under torch.compile and FSDP2
 ]

@@ -50,10 +50,10 @@ DEFAULT_RELEASES = ["4.57.6", "5.22.2", "5.25.0"]
 # per family and release; flex runs for llama on every release and for all families in the
 # main run), plus the registry checks, the collator's refusal and Trainer's resume on that release.
 TESTS = [
-    "tests/model_patches/test_packing.py",
-    "tests/model_patches/test_packing_registry.py",
-    "tests/model_patches/test_packing_generation.py",
-    "tests/model_patches/test_collator_leak.py",
+    "tests/model_patches/packing/test_packing.py",
+    "tests/model_patches/packing/test_packing_registry.py",
+    "tests/model_patches/packing/test_packing_generation.py",
+    "tests/model_patches/packing/test_collator_leak.py",
     "tests/model_patches/test_checkpoint_resume.py",
 ]
 DEFAULT_K = "not flex_attention or llama"

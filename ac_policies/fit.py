@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .apply import apply_policy, applied_row
+from .apply import applied_row, apply_policy
 from .fake import fake_model
 from .fit_search import _candidates, _Choice, _Option, _select, _useful
 from .measure import StepCost, step_cost

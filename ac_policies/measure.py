@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils import flop_counter as _fc
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
 
 __all__ = [

@@ -8,13 +8,13 @@ import logging
 import warnings
 from typing import Iterable, Optional
 
-import torch
 from torch import nn
 
-from .predicates import NAMED_PREDICATES, planning
+from .predicates import NAMED_PREDICATES
 from .presets import resolve_policy
 from .rules import Rule
 from .selective import DEFAULT_SAVE_OPS, SelectiveOps
+from .structure import planning
 from .table import Policy, PolicyLike
 
 __all__ = ["PlanRow", "Plan", "plan", "ACPolicyWarning"]
@@ -126,7 +126,7 @@ class Plan(tuple):
             header += ("measured (fit)",)
             cells = [c + (self.policy._estimate(r.rule_index).strip(" []"),) for c, r in zip(cells, self)]
         widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
-        fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+        fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
         name = self.policy.name or "custom table"
         lines = [f"plan of {name} on {self.model_type}: {len(self.wrapped)} module(s) wrapped", fmt(header)]
         if self.policy.summary:

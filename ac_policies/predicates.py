@@ -23,7 +23,6 @@ from .structure import (
     is_linear_attention,
     is_moe,
     is_norm,
-    planning,
     planning_root,
 )
 

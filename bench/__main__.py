@@ -25,9 +25,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from bench.harness import compare
-from bench.harness import isolated
-from bench.harness import report_folder
+from bench.harness import compare, isolated, report_folder
 from bench.harness.host_dtype import DTYPE_NAMES, DtypeChoice
 from bench.harness.report import Section, Table
 

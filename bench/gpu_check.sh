@@ -65,7 +65,7 @@ step "2 ce [16384, 128256] bf16" 150 python -m bench --device cuda --only ce --n
 step "3 lce N=16384 H=4096 V=128256 bf16" 150 python -m bench --device cuda --only lce --no-progress \
     --lce-shape 16384,4096,128256 --lce-repeats 10 --lce-profile --out "$out/lce" --json "$out/lce.json"
 step "4 CUDA-only tests" 90 bash -o pipefail -c "python -m pytest -q -m cuda -p no:cacheprovider tests/functional_ce/test_ce_cuda.py \
-    tests/ac_policies/test_ac_offload.py tests/ac_policies/test_estimate_cuda.py | tee '$out/cuda_tests.txt'"
+    tests/ac_policies/test_ac_offload.py tests/ac_policies/estimate/test_estimate_cuda.py | tee '$out/cuda_tests.txt'"
 step "5 ac estimate vs max_memory_allocated, bf16, 4096 tokens" 90 python -m bench.sections.ac.estimate_cuda \
     --seq 4096 --out "$out"
 step "6 logprobs N=16384 H=4096 V=128256 bf16" 180 python -m bench --device cuda --only logprobs --no-progress \

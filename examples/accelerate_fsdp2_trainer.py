@@ -24,9 +24,8 @@ from ac_policies import apply_policy  # noqa: E402
 
 
 def main() -> None:
-    from transformers import Trainer, TrainingArguments
-
     from _tiny import documents, tiny_model
+    from transformers import Trainer, TrainingArguments
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="3 steps of a 2-layer model")

@@ -25,9 +25,8 @@ WORLD = 2
 
 
 def worker(rank: int, steps: int, port: int) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     from _tiny import VOCAB, tiny_model
+    from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

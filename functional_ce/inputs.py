@@ -16,7 +16,6 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .spec import Count, LossSpec, linear_auto_chunk, requested_chunk_rows, spec_part, with_defaults
 
-
 # --- tensors -----------------------------------------------------------------------------------
 
 

@@ -183,7 +183,7 @@ def _check(record: PatchRecord, version: str) -> tuple[str, str]:
         return "failed", f"target {record.target} missing: {exc}"
     try:
         reason = record.probe(original)
-    except Exception as exc:  # a probe that crashes is a failed probe, not a crash of the caller
+    except Exception as exc:  # noqa: BLE001 - a probe that crashes is a failed probe, not a crash of the caller
         reason = f"probe raised {type(exc).__name__}: {exc}"
     if reason:
         return "failed", f"probe of {record.target} failed: {reason}"

@@ -63,9 +63,8 @@ def build(path: str, dtype: Optional[str]) -> torch.nn.Module:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    import model_patches
-
     import ac_policies
+    import model_patches
 
     start = time.perf_counter()
     logger.info("building %s on the meta device", args.config)
@@ -101,8 +100,8 @@ def _fit(model: torch.nn.Module, step, budget: str, kwargs: dict) -> None:
     """The fitted table for a per-process ``budget``: ``fit`` works on the activation peak, so the
     budget it gets is ``budget`` less the bytes no policy changes (from the estimate without one)."""
     import ac_policies
-    from ac_policies.fit import parse_budget
     from ac_policies.estimate.result import format_bytes
+    from ac_policies.fit import parse_budget
 
     total = parse_budget(budget, 1)
     logger.info("estimating without checkpointing for the budget")

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
-
 from torch.utils._pytree import tree_leaves
 
 from ..measure import _Live, _local, storage_key

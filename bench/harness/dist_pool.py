@@ -47,7 +47,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
                 meshes[key] = DeviceMesh("cpu", ranks, mesh_dim_names=dim_names)
             mesh = meshes[key]
             results.put((rank, True, fn(mesh if mesh.get_coordinate() is not None else None, *args)))
-        except BaseException as exc:  # report, keep serving
+        except BaseException as exc:  # noqa: BLE001 - report, keep serving
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-
 #: (measurement key, axis label, scale to the axis unit, file suffix) of the default plots.
 TIME_AND_MEMORY = (
     ("seconds", "forward+backward time (ms)", 1e3, "time"),

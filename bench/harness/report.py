@@ -56,7 +56,7 @@ class Table:
     def render(self) -> str:
         cells = [[_fmt(v) for v in row] for row in self.rows]
         widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
-        line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+        line = lambda vals: "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))  # noqa: E731
         out = [f"### {self.title}", line(self.columns), line(["-" * w for w in widths])]
         out += [line(r) for r in cells]
         if self.baseline:

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..spec import LossSpec
-from .common import chain, label_hit, scaled, target_logit, counted
+from .common import chain, counted, label_hit, scaled, target_logit
 
 
 def ce_stats(zs: Sequence[torch.Tensor], labels: torch.Tensor, prior: Optional[torch.Tensor], spec: LossSpec

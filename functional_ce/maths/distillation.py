@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..spec import LossSpec
-from .common import chain, scaled, counted, where_p
+from .common import chain, counted, scaled, where_p
 
 
 def kd_lse(zs: Sequence[torch.Tensor], labels: torch.Tensor, prior: Optional[torch.Tensor], spec: LossSpec

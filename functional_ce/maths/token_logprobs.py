@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..spec import LossSpec
-from .common import chain, label_hit, scaled, target_logit, counted, where_p
+from .common import chain, counted, label_hit, scaled, target_logit, where_p
 
 #: The statistic columns each extra statistic needs: ``(name, kind)`` (kinds as in
 #: :mod:`functional_ce.maths`). ``log(sum p**2)`` is ``logsumexp(2 z) - 2 logsumexp(z)``; the

@@ -11,7 +11,7 @@ no download, :mod:`model_patches.testing.tiny_models`), runs the packed batch of
 - ``"not built"``: the family cannot be built or run from ``input_ids`` alone at tiny size on
   CPU (multimodal heads needing pixels, encoder-decoders, ...); ``detail`` says why.
 
-Shared by ``tests/model_patches/test_packing_families.py`` and ``python -m bench --only packing``.
+Shared by ``tests/model_patches/packing/test_packing_families.py`` and ``python -m bench --only packing``.
 """
 
 from __future__ import annotations

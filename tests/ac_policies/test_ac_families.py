@@ -16,7 +16,6 @@ from tests.ac_policies.probes import PRESETS, call_counts, model_of, recognised,
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import AC_FAMILIES, AC_MOE_FAMILIES, tiny_ac_model
 
-
 # Expected structure of each tiny model, written from the families' published architectures.
 EXPECTED = {
     "llama": dict(moe=[], attention=["0.self_attn", "1.self_attn"], linear_attention=[], dense_mlp=["0.mlp", "1.mlp"]),

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ac_policies
-from ac_policies.fit import _Choice, _Option, _candidates, _select, parse_budget
+from ac_policies.fit import _candidates, _Choice, _Option, _select, parse_budget
 from ac_policies.measure import StepCost, step_cost
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model

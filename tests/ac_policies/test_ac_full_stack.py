@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ac_policies import ac_stack_tasks as tasks
 from bench.harness.dist_pool import dist_pool_fixture
+from tests.ac_policies.workers import stack as tasks
 
 #: preset -> whether the router's forward is rerun in backward (``full`` checkpoints whole
 #: blocks; ``selective`` saves matmuls, the router's included; the ``non_moe`` presets leave the

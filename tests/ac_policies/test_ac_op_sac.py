@@ -14,11 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ac_policies
-from tests.support.batches import loss_and_grads, token_batch
-from tests.support.tiny_models import tiny_ac_model
 from ac_policies.measure import kept_for_backward, recompute_flops
 from ac_policies.presets import TORCHTITAN_SAVE_OPS
 from ac_policies.selective import SelectiveOps, make_policy, resolve_ops
+from tests.support.batches import loss_and_grads, token_batch
+from tests.support.tiny_models import tiny_ac_model
 
 aten = torch.ops.aten
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import ac_policies
 from ac_policies import Policy, Rule, inside, layers, not_
+from ac_policies.structure import planning
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model
 
@@ -56,7 +57,7 @@ rules = st.one_of(plain_rules, selective_rules)
 def first_match_oracle(table: list[Rule]) -> dict[str, str]:
     """fqn -> action by the table's definition, written independently of Policy.first_match."""
     out = {}
-    with ac_policies.predicates.planning(MODEL):
+    with planning(MODEL):
         for fqn, module in MODEL.named_modules():
             for rule in table:
                 if fnmatch.fnmatchcase(fqn, rule.match) and (rule.when is None or rule.when(fqn, module)):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.sections.ce import section as ce_logits
 from bench.harness.report import Section
+from bench.sections.ce import section as ce_logits
 
 
 @pytest.mark.slow  # five child processes compiling at first use: 30-60 s; the losses are tested elsewhere

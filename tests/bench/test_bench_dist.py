@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.sections.dist import section as dist
 from bench.harness.report import Section
+from bench.sections.dist import section as dist
 
 
 # 12 spawned processes, about 45 s on 2 cores: nightly (the losses are tested in test_ce_vocab_parallel).

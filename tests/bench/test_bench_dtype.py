@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from bench.sections.lce import section as ce_hidden
-from bench.harness import host_dtype
 from bench.__main__ import _available, build_parser, main, section_dtypes
-from bench.harness.measure import Measurement, run_spec
+from bench.harness import host_dtype
 from bench.harness.isolated import reference
+from bench.harness.measure import Measurement, run_spec
 from bench.sections.lce import hf_models
+from bench.sections.lce import section as ce_hidden
 
 #: torch's ``get_cpu_capability()`` values and the bf16 ones host_capability adds.
 NO_BF16_UNITS = ["AVX2", "AVX512", "NO AVX", "DEFAULT", "SVE256", "VSX", "Z VECTOR"]

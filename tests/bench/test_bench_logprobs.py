@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.sections.logprobs import section as logprobs
-from bench.sections.logprobs import steps as logprobs_steps
 from bench.harness import measure as bench_measure
 from bench.harness.isolated import reference
 from bench.harness.report import Section
+from bench.sections.logprobs import section as logprobs
+from bench.sections.logprobs import steps as logprobs_steps
 
 TINY = ["--logprobs-n", "64", "--logprobs-h", "32", "--logprobs-v", "512", "--logprobs-repeats", "1"]
 

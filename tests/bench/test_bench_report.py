@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness import compare
-from bench.harness import modes
-from bench.harness import report_folder
 from bench.__main__ import main
+from bench.harness import compare, modes, report_folder
 from bench.harness.report import Section, Table
 
 COLUMNS = ["variant", "time (ms)", "x baseline", "peak extra (MiB)", "x baseline", "status"]
@@ -139,9 +137,9 @@ def _section_args(argv: list[str]) -> argparse.Namespace:
 
 def test_quick_and_full_runs_plan_their_progress_steps():
     from bench.sections.ac import section as ac
-    from bench.sections.lce import section as ce_hidden
     from bench.sections.ce import section as ce_logits
     from bench.sections.dist import section as dist
+    from bench.sections.lce import section as ce_hidden
     from bench.sections.logprobs import section as logprobs
     from bench.sections.packing import section as packing
 
@@ -263,7 +261,7 @@ def test_without_matplotlib_the_run_says_so_first_and_writes_the_whole_report(tm
 
 
 def test_a_section_that_fails_to_render_keeps_the_others(tmp_path, monkeypatch, capsys):
-    ran = _fake_sections(monkeypatch, lambda out_dir: [])
+    _fake_sections(monkeypatch, lambda out_dir: [])
     real = Section.render
     monkeypatch.setattr(Section, "render", lambda self: (_ for _ in ()).throw(ValueError("bad cell"))
                         if self.name != "summary" else real(self))

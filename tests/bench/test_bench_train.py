@@ -10,8 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.sections.train.context import Budget, longest_fitting, parse_budget
-from bench.sections.train.data import (DISTRIBUTION, LengthDistribution, context_documents, padded_batch, real_tokens,
-                              scored_tokens, step_documents)
+from bench.sections.train.data import (
+    DISTRIBUTION,
+    LengthDistribution,
+    context_documents,
+    padded_batch,
+    real_tokens,
+    scored_tokens,
+    step_documents,
+)
 from bench.sections.train.variant_table import loss_agreement
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,

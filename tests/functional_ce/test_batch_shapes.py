@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 
 import functional_ce
 from tests.support.reference import (
-    reference_cross_entropy, reference_generalized_jsd, reference_token_logprobs, reference_token_stats,
+    reference_cross_entropy,
+    reference_generalized_jsd,
+    reference_token_logprobs,
+    reference_token_stats,
 )
 
 V, H = 11, 6

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import functional_ce
-from tests.functional_ce.ce_cases import COMPILED_OPTIONS, COMPILED_V, DTYPES, PATHS, make_case, loss_and_grad
+from tests.functional_ce.ce_cases import COMPILED_OPTIONS, COMPILED_V, DTYPES, PATHS, loss_and_grad, make_case
 
 ALL_ON = COMPILED_OPTIONS[1]
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import functional_ce
+from bench.harness.rss_peak import peak_extra_bytes
 from tests.functional_ce.ce_cases import PATHS
 from tests.support.alloc_trace import AllocationTrace, saved_for_backward, trace_forward_and_backward
-from bench.harness.rss_peak import peak_extra_bytes
 
 N, V, CHUNK = 64, 1000, 16
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import functional_ce
 from tests.functional_ce.ce_cases import (
-    COMPILED_OPTIONS, COMPILED_V, DTYPES, PATHS, ROUNDING, Case, absmax, loss_and_grad, make_case, worst,
+    COMPILED_OPTIONS,
+    COMPILED_V,
+    DTYPES,
+    PATHS,
+    ROUNDING,
+    Case,
+    absmax,
+    loss_and_grad,
+    make_case,
+    worst,
 )
 from tests.support.reference import reference_cross_entropy
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import functional_ce
 from tests.functional_ce.ce_cases import COMPILED_OPTIONS, DTYPES, PATHS, ROUNDING, absmax, worst
@@ -214,8 +215,7 @@ def test_autocast_casts_like_f_linear_and_returns_gradients_in_the_parameters_dt
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("v", [50, 32768, 128256, 1_000_000])
 def test_auto_chunks_aim_for_efficient_rows_within_the_memory_cap(v, device):
-    from functional_ce.spec import linear_auto_chunk
-    from functional_ce.spec import resolve_chunk_size
+    from functional_ce.spec import linear_auto_chunk, resolve_chunk_size
 
     auto_rows, auto_bytes = linear_auto_chunk(torch.device(device))
     rows = resolve_chunk_size("auto", 100_000, v * 4, auto_bytes, auto_rows)
@@ -229,8 +229,7 @@ def test_auto_chunks_aim_for_efficient_rows_within_the_memory_cap(v, device):
 def test_auto_chunks_on_cuda_are_larger_than_on_cpu():
     """The CUDA rule (bench/RESULTS.md, GPU chunk sweep): 2048 rows of a 128K vocabulary, where
     the CPU rule takes 128 (64 MiB of fp32)."""
-    from functional_ce.spec import linear_auto_chunk
-    from functional_ce.spec import resolve_chunk_size
+    from functional_ce.spec import linear_auto_chunk, resolve_chunk_size
 
     def rows(device):
         auto_rows, auto_bytes = linear_auto_chunk(torch.device(device))

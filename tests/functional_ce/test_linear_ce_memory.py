@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import functional_ce
+from bench.harness.rss_peak import peak_extra_bytes
 from tests.functional_ce.ce_cases import PATHS
 from tests.support.alloc_trace import AllocationTrace, saved_for_backward, trace_forward_and_backward
-from bench.harness.rss_peak import peak_extra_bytes
 
 # N * V is larger than every legitimate buffer (V * H weight gradient, chunk x V logits).
 N, H, V, CHUNK = 96, 8, 1000, 16

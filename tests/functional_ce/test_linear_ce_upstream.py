@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 import functional_ce
 from tests.functional_ce.linear_cases import make_linear_case
 from tests.support.alloc_trace import AllocationTrace

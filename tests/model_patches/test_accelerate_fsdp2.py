@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests.model_patches import engine_tasks  # noqa: E402
 from bench.harness.dist_pool import dist_pool_fixture  # noqa: E402
+from tests.model_patches.workers import engines as engine_tasks  # noqa: E402
 
 pool = dist_pool_fixture(2)
 
@@ -93,7 +93,7 @@ def test_grpo_trainer(pool, patches):
     the rollouts' ``generate``): the same rollouts (forced: ``grpo_engine_tasks`` says why and
     how), rewards, losses and parameters as one process without sharding."""
     pytest.importorskip("trl")
-    from tests.model_patches import grpo_engine_tasks
+    from tests.model_patches.workers import grpo_engines as grpo_engine_tasks
 
     reference = grpo_engine_tasks.train_grpo(None, patches, 1, None)
     results = pool.run(grpo_engine_tasks.train_grpo, (2,), patches, 2, {})

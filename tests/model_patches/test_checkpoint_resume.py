@@ -16,7 +16,7 @@ import torch
 
 import model_patches
 from model_patches.checkpoint_resume import restore_checkpoint_layout
-from tests.model_patches.resume_tasks import run
+from tests.model_patches.workers.resume import run
 from tests.support.tiny_models import tiny_loss_model
 
 # The matrix's oldest release pins a huggingface_hub that the installed datasets (imported by
@@ -34,7 +34,7 @@ def _converts() -> bool:
 
 def _resume_in_a_new_process(family: str, patch: str, out: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-m", "tests.model_patches.resume_tasks", family, patch, out, "resume"],
+    done = subprocess.run([sys.executable, "-m", "tests.model_patches.workers.resume", family, patch, out, "resume"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
 
-from tests.model_patches import engine_tasks  # noqa: E402
 from bench.harness.dist_pool import dist_pool_fixture  # noqa: E402
+from tests.model_patches.workers import engines as engine_tasks  # noqa: E402
 
 pool = dist_pool_fixture(2)
 

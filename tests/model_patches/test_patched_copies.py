@@ -185,7 +185,8 @@ def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path
     script = textwrap.dedent(f"""
         import torch, ac_policies, model_patches
         torch.set_num_threads({torch.get_num_threads()})  # this process's reductions, in the same order
-        from tests.model_patches.test_patched_copies import _batch, _step
+        from tests.model_patches.test_patched_copies import _batch
+        from tests.model_patches.test_patched_copies import _step
         model = torch.load({str(path)!r}, weights_only=False)
         assert len(model_patches.handles(model)) == 1 and ac_policies.policy_of(model).active
         batch = _batch()

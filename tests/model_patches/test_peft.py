@@ -188,8 +188,8 @@ def test_sft_trainer_with_peft_config_gives_stock_peft_losses(tmp_path, counted)
     and TRL's heads routed through functional_ce train to stock PEFT's losses and adapters; the
     hidden-state loss is refused with the fix, since TRL's own fused head computes the loss."""
     pytest.importorskip("trl")
-    from bench.harness.trainers import logged_losses, sft_trainer, token_rows
     from ac_policies.apply import trainer_checkpointing_argument
+    from bench.harness.trainers import logged_losses, sft_trainer, token_rows
 
     rows = token_rows(12, 16, ragged=True)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,

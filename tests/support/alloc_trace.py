@@ -19,7 +19,6 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
 from torch.utils.flop_counter import flop_registry
 
 from functional_ce.operators import IMPLEMENTATIONS

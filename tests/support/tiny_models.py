@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from model_patches.testing import tiny_causal_lm
-from model_patches.testing.tiny_models import LOSS_FAMILIES, LOSS_SIZES, LOSS_VOCAB, tiny_loss_model
+from model_patches.testing.tiny_models import LOSS_FAMILIES, LOSS_SIZES, LOSS_VOCAB, tiny_loss_model  # noqa: F401 - the loss models, re-exported
 
 AC_SIZES: dict[str, Any] = dict(
     hidden_size=32,

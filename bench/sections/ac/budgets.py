@@ -38,10 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac_policies
 from ac_policies.measure import _accelerator, _Live, flop_counter, step_cost, storage_key
-
-from bench.sections.ac.model import build, model_config
 from bench.harness.modes import override, pick
 from bench.harness.report import Table, ratio
+from bench.sections.ac.model import build, model_config
 
 #: Budgets as fractions of the step peak without checkpointing: --full, and the quick run's.
 FULL_BUDGETS = (0.5, 0.7, 0.9)
@@ -262,7 +261,7 @@ def measure_model(model: torch.nn.Module, ids: torch.Tensor, presets: tuple[str,
         tick(f"ac budgets {label}: torch.compile budget {b}")
         try:
             compiled[b] = {**compiled_step(model, step, b), "status": "ok"}
-        except Exception as err:  # a graph break or a backend error: the row says which
+        except Exception as err:  # noqa: BLE001 - a graph break or a backend error: the row says which
             compiled[b] = {"peak": None, "backward_flops": None, "status": f"error: {type(err).__name__}: {err}"[:200]}
     base_flops = compiled[1.0]["backward_flops"]
     for b, r in compiled.items():

@@ -14,11 +14,11 @@ import argparse
 from typing import Any, Callable
 
 from bench.harness import isolated
-from bench.sections.ac.estimate_worker import FIT_BUDGET
 from bench.harness.modes import is_full, pick
 from bench.harness.report import Table, ratio
 from bench.harness.rss import MMAP_THRESHOLD
 from bench.sections.ac import estimate_worker
+from bench.sections.ac.estimate_worker import FIT_BUDGET
 
 MIB = 2**20
 #: (family, policy or "fit", hidden-state loss)
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Tab
                "and the resident set follows live bytes",
                f"targets: within {TARGETS['live']:.0%} of the live-tensor peak, {TARGETS['rss']:.0%} of the "
                "resident-set peak; case (s) = estimate + RSS steps + measured step, wall time on this machine",
-               "FSDP2 (2 gloo processes) is checked in tests/ac_policies/test_estimate_fsdp.py; CUDA against "
+               "FSDP2 (2 gloo processes) is checked in tests/ac_policies/estimate/test_estimate_fsdp.py; CUDA against "
                "max_memory_allocated in bench/sections/ac/estimate_cuda.py (bench/gpu_check.sh)"],
         command="python -m bench --only ac" + (" --full" if is_full(args) else "") + f" --ac-estimate-seq {seq}",
     )

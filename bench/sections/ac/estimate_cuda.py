@@ -45,9 +45,8 @@ MIB = 2**20
 def check_case(family: str, policy: str, hidden_state: bool, seq: int,
                sizes: dict[str, Any] = SIZES) -> dict[str, Any]:
     """Estimate and measure one case on the current CUDA device (see the module's docs)."""
-    import model_patches
-
     import ac_policies
+    import model_patches
 
     model = build(family, sizes).to(device="cuda", dtype=torch.bfloat16)
     step = make_step(model.config.vocab_size, seq)

@@ -106,9 +106,8 @@ def rss_step(model: torch.nn.Module, step: Callable) -> dict[str, int]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    import model_patches
-
     import ac_policies
+    import model_patches
     from ac_policies.estimate import measure_step
 
     clock = time.perf_counter()

@@ -22,13 +22,12 @@ import torch
 
 import ac_policies
 from ac_policies.measure import kept_for_backward, recompute_flops, step_bytes
-
-from bench.sections.ac import budgets as ac_budgets
-from bench.sections.ac import estimate as ac_estimate
-from bench.sections.ac.model import build, model_config
 from bench.harness.measure import spread_of
 from bench.harness.modes import override, pick
 from bench.harness.report import Section, Table, ratio
+from bench.sections.ac import budgets as ac_budgets
+from bench.sections.ac import estimate as ac_estimate
+from bench.sections.ac.model import build, model_config
 
 # A table written as config data: non_moe, except that each MoE block runs under op-level
 # checkpointing that keeps every matmul output (router and expert GEMMs) and recomputes only

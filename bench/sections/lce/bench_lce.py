@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sections.lce import section as ce_hidden
 from bench.harness.host_dtype import default_dtype
+from bench.sections.lce import section as ce_hidden
 
 SHAPE = dict(n=256, h=128, v=4096, dtype=default_dtype("cpu").dtype, device="cpu")
 

@@ -18,7 +18,6 @@ import torch
 from bench.harness.measure import measure
 from bench.harness.report import Table, ratio, spreads
 
-
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -90,8 +89,8 @@ def measure_hf_table(args: argparse.Namespace, tick: Callable[[str], None]) -> t
         rows=rows,
         baseline=f"model(**batch, labels=...).loss.backward() with Transformers' ForCausalLMLoss; "
                  f"one fp32 copy of the logits is {fp32_copy_mib:.0f} MiB",
-        notes=["loss and gradients of the three variants are asserted equal in tests/model_patches/test_hf_loss_record.py "
-               "and tests/model_patches/test_hf_causal_lm_loss.py",
+        notes=["loss and gradients of the three variants are asserted equal in tests/model_patches/loss/test_loss_record.py "
+               "and tests/model_patches/loss/test_causal_lm_loss.py",
                f"dtype {args.lce_dtype}: {args.lce_dtype_reason}"],
         command="python -m bench --only lce " + " ".join(shlex.quote(a) for a in [
             "--lce-hf", args.lce_hf, "--lce-dtype", args.lce_dtype, "--lce-repeats", str(args.lce_repeats),

@@ -39,12 +39,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bench.sections.lce.hf_models import HF_VARIANTS, measure_hf_table
 from bench.harness.host_dtype import DtypeChoice, choose
 from bench.harness.measure import Measurement, measure
 from bench.harness.modes import override, per_shape, pick, shape_list, sweeps
 from bench.harness.plots import sweep_plots
 from bench.harness.report import Section, Table, ratio, spreads
+from bench.sections.lce.hf_models import HF_VARIANTS, measure_hf_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "F.linear + F.cross_entropy eager"
@@ -131,7 +131,7 @@ def _cce_available(device: str) -> Optional[str]:
         return "not installed"
     try:
         importlib.import_module("cut_cross_entropy")
-    except Exception as exc:  # e.g. it imports triton at module level
+    except Exception as exc:  # noqa: BLE001 - e.g. it imports triton at module level
         return f"not importable ({type(exc).__name__}: {exc})"[:80]
     return None
 

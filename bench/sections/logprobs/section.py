@@ -57,12 +57,12 @@ from typing import Any, Callable, Optional
 from packaging.version import Version
 
 from bench.harness.host_dtype import DtypeChoice, choose
-from bench.sections.logprobs.steps import DTYPES
 from bench.harness.measure import Measurement, measure
 from bench.harness.modes import is_full, override, sweeps
 from bench.harness.plots import sweep_plots
 from bench.harness.report import Section, Table, ratio, spreads
 from bench.sections.logprobs import steps
+from bench.sections.logprobs.steps import DTYPES
 
 BASELINE = "eager full path (TRL formulas)"
 COMPILED = "the same under torch.compile"

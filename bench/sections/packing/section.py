@@ -26,10 +26,10 @@ import shlex
 import time
 from typing import Any, Callable
 
-from bench.sections.packing.families import DEFAULT_SWEEP, family_table
-from bench.sections.packing.step import step_table
 from bench.harness.modes import override, pick
 from bench.harness.report import Section, Table
+from bench.sections.packing.families import DEFAULT_SWEEP, family_table
+from bench.sections.packing.step import step_table
 
 DEFAULT_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe"]
 DEFAULT_BACKENDS = ["eager", "sdpa", "flash_attention_2", "flex_attention"]

@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 from bench.harness.report import Table, ratio
 from bench.sections.train.context import Budget, Search, longest_fitting, parse_budget
 from bench.sections.train.meter import MIB, phase_peaks, what_holds
-from bench.sections.train.variant_table import run_variant
 from bench.sections.train.variant import Variant
+from bench.sections.train.variant_table import run_variant
 
 #: The pair the search compares: stock with Hugging Face checkpointing, and the library.
 CONTEXT_PAIR = {"stock+hf_gc": Variant(hf_gc=True), "library": Variant(hidden_loss=True, policy="full")}

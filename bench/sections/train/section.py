@@ -44,8 +44,17 @@ from bench.sections.train.data import DISTRIBUTION
 from bench.sections.train.longest import DEFAULT_BUDGET, DEFAULT_LIMIT, longest_context_table
 from bench.sections.train.meter import phase_peaks, what_holds
 from bench.sections.train.models import FULL_MODELS, QUICK_MODELS, model_entry
-from bench.sections.train.variant_table import (DESCRIPTIONS, LOSS_TOLERANCE, VARIANTS, Variant, loss_agreement, loss_reference,
-                             run_variant, same_checkpointing, variants_for)
+from bench.sections.train.variant_table import (
+    DESCRIPTIONS,
+    LOSS_TOLERANCE,
+    VARIANTS,
+    Variant,
+    loss_agreement,
+    loss_reference,
+    run_variant,
+    same_checkpointing,
+    variants_for,
+)
 
 MIB = 2**20
 #: The quick run's variants: stock with Hugging Face checkpointing and everything on (each feature alone

@@ -58,8 +58,8 @@ def sft_trainer(trainer_cls: type, model: Any, variant: Variant, groups: list[li
     import trl
     from datasets import Dataset
 
-    from model_patches import PackingCollator
     from bench.harness.trainers import word_tokenizer
+    from model_patches import PackingCollator
 
     if variant.trainer != "sft":
         raise ValueError(f"not an SFTTrainer variant: {variant}")

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.harness import isolated
+from bench.sections.train import worker
 from bench.sections.train.sft import DESCRIPTIONS as SFT_DESCRIPTIONS
 from bench.sections.train.sft import VARIANTS as SFT_VARIANTS
 from bench.sections.train.sft import trl_available
 from bench.sections.train.variant import Variant
-from bench.sections.train import worker
 
 logger = logging.getLogger(__name__)
 

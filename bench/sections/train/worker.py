@@ -41,11 +41,17 @@ from typing import Any
 
 import torch
 
-from bench.sections.train.data import context_documents, packed_batch, padded_batch, real_tokens, scored_tokens, step_documents
+from bench.sections.train.data import (
+    context_documents,
+    packed_batch,
+    padded_batch,
+    real_tokens,
+    scored_tokens,
+    step_documents,
+)
 from bench.sections.train.meter import PhaseMeter, summarize
 from bench.sections.train.models import build_model
 from bench.sections.train.variant import Variant
-
 
 
 def _batches(data: dict[str, Any], vocab: int, seed: int, packing: bool) -> list[dict[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ import torch
 
 import ac_policies
 from ac_policies.estimate import measure_step
-from tests.ac_policies.estimate_tasks import prepared_model
+from tests.ac_policies.estimate.workers.fsdp_estimate import prepared_model
 from tests.support.tiny_models import tiny_ac_model
 
 SEQ = 64

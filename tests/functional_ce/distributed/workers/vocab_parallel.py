@@ -15,9 +15,9 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import functional_ce
+from bench.harness.comm_bytes import CommBytes
 from tests.functional_ce.ce_cases import make_case
 from tests.functional_ce.linear_cases import make_linear_case, reference_linear
-from bench.harness.comm_bytes import CommBytes
 from tests.support.reference import reference_cross_entropy
 
 

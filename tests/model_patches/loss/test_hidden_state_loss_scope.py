@@ -7,7 +7,7 @@ exactly as stock TRL does (same losses as a stock run of the same B), whether A 
 were dropped and collected or are still alive. The same for ``enable_hidden_state_loss(model)``
 and ``enable_chunked_loss(model=...)``; ``enable_chunked_loss()`` without a model is
 process-wide and refuses every TRL run while its handle is active (tested in
-test_loss_patches_in_trainers.py).
+test_loss_in_trainers.py).
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import torch
 
 trl = pytest.importorskip("trl")
 
-import model_patches  # noqa: E402
-from model_patches import enable_chunked_loss, enable_hidden_state_loss  # noqa: E402
-from model_patches.loss import trl_heads  # noqa: E402
-from tests.support.tiny_models import tiny_loss_model  # noqa: E402
-from bench.harness.trainers import logged_losses, sft_trainer, token_rows  # noqa: E402
-
 import trl.trainer.distillation_trainer as distillation_module  # noqa: E402
 import trl.trainer.utils as trl_utils  # noqa: E402
+
+import model_patches  # noqa: E402
+from bench.harness.trainers import logged_losses, sft_trainer, token_rows  # noqa: E402
+from model_patches import enable_chunked_loss, enable_hidden_state_loss  # noqa: E402
+from tests.support.tiny_models import tiny_loss_model  # noqa: E402
 
 TRL_HEAD = trl_utils._ChunkedLogProbFunction
 TRL_DIVERGENCE = distillation_module._chunked_divergence_loss

@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_patches import fsdp_tasks
 from bench.harness.dist_pool import dist_pool_fixture
-
+from tests.model_patches.loss.workers import fsdp as fsdp_tasks
 
 pool = dist_pool_fixture(2)
 

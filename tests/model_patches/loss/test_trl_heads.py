@@ -17,14 +17,14 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+import trl.trainer.distillation_trainer as distillation_module  # noqa: E402
+import trl.trainer.utils as trl_utils  # noqa: E402
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
+
 import functional_ce  # noqa: E402
 import model_patches  # noqa: E402
 from model_patches.loss import trl_heads  # noqa: E402
 from tests.support.tiny_models import tiny_loss_model  # noqa: E402
-
-import trl.trainer.distillation_trainer as distillation_module  # noqa: E402
-import trl.trainer.utils as trl_utils  # noqa: E402
-from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 
 OPTIONAL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FIELDS = ("log_probs", *OPTIONAL)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.functional_ce import pipeline_tasks as tasks
 from bench.harness.dist_pool import dist_pool_fixture
-
+from tests.functional_ce.distributed.workers import pipeline as tasks
 
 pool = dist_pool_fixture(2)
 

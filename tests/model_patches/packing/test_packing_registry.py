@@ -5,20 +5,19 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-import warnings
 
 import pytest
 import torch
-
 import transformers
 import transformers.masking_utils as mu
 import transformers.modeling_flash_attention_utils as fu
+
 from model_patches import PatchError, enable_packing, packing_status
 from model_patches.packing import check_model
 from model_patches.packing.table import COVERED_FAMILIES, EPOCHS, packing_records
-from model_patches.testing.packing_oracle import packed_batch, tiny_model
-from model_patches.registry import apply_records, record_status
+from model_patches.registry import apply_records
 from model_patches.testing import tiny_causal_lm, use_attention
+from model_patches.testing.packing_oracle import packed_batch, tiny_model
 
 INDEXED = torch.tensor([[1, 1, 2, 2, 2, 0]])
 

@@ -11,12 +11,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.functional_ce import vocab_parallel_tasks as tasks
-from tests.functional_ce.ce_cases import ROUNDING, absmax, make_case, worst
-from tests.functional_ce.linear_cases import make_linear_case, reference_linear
 from bench.harness.dist_pool import dist_pool_fixture
+from tests.functional_ce.ce_cases import ROUNDING, absmax, make_case, worst
+from tests.functional_ce.distributed.workers import vocab_parallel as tasks
+from tests.functional_ce.linear_cases import make_linear_case, reference_linear
 from tests.support.reference import reference_cross_entropy
 
 V = 509

@@ -1,5 +1,5 @@
 """Trainer runs of a tiny MoE model for the resume tests: whole, stopped after its first checkpoint,
-or resumed from that checkpoint (``python -m tests.model_patches.resume_tasks FAMILY PATCH OUT resume``
+or resumed from that checkpoint (``python -m tests.model_patches.workers.resume FAMILY PATCH OUT resume``
 in a new process, as a user resumes an interrupted job).
 
 Every run builds the model from its config (the resumed one with other random weights, so that

@@ -49,9 +49,8 @@ def all_gather_outputs(model: torch.nn.Module) -> list[torch.Tensor]:
 def prepared_model(family: str, policy: Any, hidden_state: bool, **overrides: Any) -> torch.nn.Module:
     """A tiny ``family`` model (``tiny_ac_model``) with the hidden-state loss if asked and ``policy``
     applied unless it is ``"none"``."""
-    import model_patches
-
     import ac_policies
+    import model_patches
 
     model = tiny_ac_model(family, **overrides)
     if hidden_state:

@@ -16,8 +16,8 @@ import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from model_patches import enable_packing
-from model_patches.testing.packing_oracle import logits_gap, packed_batch, tiny_model
 from model_patches.testing import use_attention
+from model_patches.testing.packing_oracle import logits_gap, packed_batch, tiny_model
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,8 +19,8 @@ from model_patches import enable_packing
 from model_patches.packing.alibi import build_alibi
 from model_patches.packing.coverage import refusals_for_model
 from model_patches.packing.document_mixers import document_ids_from_cu_seqlens, segment_layout
-from model_patches.testing.family_sweep import tiny_causal_lm
 from model_patches.packing.masks import document_ids
+from model_patches.testing.family_sweep import tiny_causal_lm
 from model_patches.testing.packing_oracle import documents, grad_gap, logits_gap, packed_batch
 
 TOL, LEAK = 1e-4, 1e-2

@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from tests.functional_ce import token_losses_parallel_tasks as tasks
-from tests.functional_ce.ce_cases import ROUNDING, absmax
-from tests.functional_ce.token_losses_parallel_tasks import TokenCase
 from bench.harness.dist_pool import dist_pool_fixture
+from tests.functional_ce.ce_cases import ROUNDING, absmax
+from tests.functional_ce.distributed.workers import token_losses_parallel as tasks
+from tests.functional_ce.distributed.workers.token_losses_parallel import TokenCase
 
 V = 509
 MESHES = [((2,), 0), ((3,), 0), ((4,), 0), ((2, 2), 1)]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from model_patches import enable_packing
+from model_patches.testing import use_attention
 from model_patches.testing.family_sweep import tiny_causal_lm
 from model_patches.testing.packing_oracle import logits_gap, packed_batch
-from model_patches.testing import use_attention
 
 TOL, LEAK = 1e-4, 1e-2
 _LENGTHS = (5, 4, 3)

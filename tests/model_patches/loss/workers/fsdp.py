@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.support.batches import padded_batch
 from bench.harness.comm_bytes import CommBytes
+from tests.support.batches import padded_batch
 from tests.support.tiny_models import tiny_loss_model
 
 
@@ -42,8 +42,9 @@ def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
     """One step of a ``fully_shard`` model on this rank's batch: ``causal_lm_loss`` when
     ``use_library`` is True, ``model(**batch).loss`` with ``enable_hidden_state_loss`` when it is
     ``"patched"``, else ``model(**batch).loss``."""
-    from model_patches import causal_lm_loss, enable_hidden_state_loss
     from torch.distributed.tensor import DTensor
+
+    from model_patches import causal_lm_loss, enable_hidden_state_loss
 
     if mesh is None:
         return None

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ac_policies import estimate_tasks as tasks
 from bench.harness.dist_pool import dist_pool_fixture
+from tests.ac_policies.estimate.workers import fsdp_estimate as tasks
 
 pool = dist_pool_fixture(2)
 

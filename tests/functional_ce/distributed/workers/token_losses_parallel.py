@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import functional_ce
-from tests.functional_ce.vocab_parallel_tasks import placements
 from bench.harness.comm_bytes import CommBytes
+from tests.functional_ce.distributed.workers.vocab_parallel import placements
 from tests.support.reference import reference_generalized_jsd, reference_token_logprobs, reference_token_stats
 
 

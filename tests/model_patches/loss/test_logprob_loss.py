@@ -253,7 +253,7 @@ DOCS_PAGE = "docs/trainers.md"
 
 
 def _docs_snippet() -> str:
-    text = (pathlib.Path(__file__).resolve().parents[2] / DOCS_PAGE).read_text()
+    text = (pathlib.Path(__file__).resolve().parents[3] / DOCS_PAGE).read_text()
     found = re.search(r"### A GRPO and a GKD loss on a model\n+```python\n(.*?)```", text, re.S)
     assert found, f"{DOCS_PAGE} has no python block under '### A GRPO and a GKD loss on a model'"
     return found.group(1)
@@ -301,7 +301,7 @@ def fsdp_step(mesh):
     from torch.distributed.tensor import DTensor
 
     from bench.harness.comm_bytes import CommBytes
-    from tests.model_patches.fsdp_tasks import _full_grads, _shard
+    from tests.model_patches.loss.workers.fsdp import _full_grads, _shard
 
     if mesh is None:
         return None

@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` under Accelerate's engines, for the engine tests: the same function runs on
 every process of a :class:`bench.harness.dist_pool.DistPool` (sharded) and in the test's own
-process (the one-process reference), as in :mod:`tests.model_patches.engine_tasks`.
+process (the one-process reference), as in :mod:`tests.model_patches.workers.engines`.
 
 Sampled rollouts cannot be compared: one process generates every row of a step in one call, two
 processes half each, so the random draws differ even with the same seed; greedy decoding gives
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from tests.model_patches.engine_tasks import _apply, _full_params
 from bench.harness.trainers import WORDS, token_rows, word_tokenizer
+from tests.model_patches.workers.engines import _apply, _full_params
 
 PROMPTS = 8
 PROMPT_LENGTH = 6  # one length: no row is padded, whichever rows share a generate call
@@ -85,8 +85,8 @@ def train_grpo(mesh: Any, patches: tuple[str, ...], world: int = 1, fsdp: Option
     import trl
     from datasets import Dataset
 
-    from model_patches.loss import loss_use
     from bench.harness import engines
+    from model_patches.loss import loss_use
     from tests.support.tiny_models import tiny_loss_model
 
     if not engines.enter_run(world, mesh is not None):
