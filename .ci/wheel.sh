@@ -24,7 +24,7 @@ import zipfile
 
 tops = {name.split("/")[0] for name in zipfile.ZipFile(sys.argv[1]).namelist()}
 packages = {t for t in tops if not t.endswith((".dist-info", ".data"))}
-assert packages == {"functional_ce", "model_patches", "ac_policies"}, packages
+assert packages == {"functional_ce", "model_patches", "ac_policies", "patch_layer"}, packages
 PY
 
 "$PYTHON" -m venv "$work/venv"
@@ -52,10 +52,11 @@ import transformers
 import ac_policies
 import functional_ce
 import model_patches
+import patch_layer
 
 for name in ("bench", "tests"):
     assert importlib.util.find_spec(name) is None, f"{name} is installed as a top-level package"
-for package in (functional_ce, model_patches, ac_policies):
+for package in (functional_ce, model_patches, ac_policies, patch_layer):
     assert "site-packages" in package.__file__, package.__file__
     missing = [n for n in package.__all__ if not hasattr(package, n) and n != "ChunkOptions"]
     assert not missing, (package.__name__, missing)

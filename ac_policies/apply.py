@@ -37,11 +37,13 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from patch_layer import Handle, forward_below, restore_forward, swap_forward, wrapped_forward
 
 from .cache import cache_safe, has_cache
 from .compile_compat import call_region, side_effect_allowance
@@ -70,54 +72,44 @@ def applied_row(module: nn.Module) -> Optional[PlanRow]:
     return fwd.row if isinstance(fwd, PolicyForward) else None
 
 
-class PolicyHandle:
+class PolicyHandle(Handle):
     """Undoes exactly what :func:`apply_policy` did; also a context manager.
 
     ``plan`` is the :class:`~ac_policies.plan.Plan` that was applied; ``active`` is False after
     :meth:`remove`, through this handle or another one for the same wrappers (from
-    :func:`policy_of`). Removing twice is a no-op. If a wrapped module's ``forward`` was
-    replaced after the policy wrapped it, ``remove()`` raises ``ValueError`` and changes nothing:
-    putting the previous forward back would delete that later code.
+    :func:`policy_of`). Removing twice is a no-op. If a wrapped module's ``forward`` was replaced
+    after the policy wrapped it, the behaviour of every handle of this distribution applies
+    (:mod:`patch_layer.handle`): the wrapper is taken out from under that code when the code holds
+    it where it can be found (it then calls the module's own forward), else ``remove()`` raises
+    ``ValueError`` and changes nothing.
     """
 
-    def __init__(self, plan: Plan, wrappers: list["PolicyForward"], companions: list[Any] = ()) -> None:
+    def __init__(self, plan: Plan, wrappers: list["PolicyForward"], companions: Sequence[Handle] = ()) -> None:
+        super().__init__(companions)  # handles removed with the policy (Trainer's resume conversion)
         self.plan = plan
         self._wrappers = wrappers
-        self._companions = list(companions)  # handles removed with the policy (Trainer's resume conversion)
 
     @property
     def active(self) -> bool:
-        """True until :meth:`remove` succeeds."""
-        return any(not w.removed for w in self._wrappers)
+        """True until :meth:`remove` succeeds (here or through another handle of the same wrappers)."""
+        return not self._removed and any(not w.removed for w in self._wrappers)
 
-    def remove(self) -> None:
-        if not self.active:
-            return
+    def _check(self) -> None:
         for w in self._wrappers:
-            if not w.installed:
-                raise ValueError(
-                    f"cannot undo the policy on {w.row.fqn!r}: its forward was replaced after apply_policy; "
-                    "remove the later patch first, then call handle.remove()"
-                )
+            try:
+                wrapped_forward(w.module, w)
+            except LookupError as exc:
+                raise self.refuse_wrapped(f"the forward of {w.row.fqn or '<root>'!r}", exc.args[0]) from None
+
+    def _undo(self) -> None:
         for w in reversed(self._wrappers):
-            if w.previous is None:
-                w.module.__dict__.pop("forward", None)
-            else:
-                w.module.__dict__["forward"] = w.previous
-            w.removed = True
-        for companion in self._companions:
-            companion.remove()
+            if not w.removed:
+                restore_forward(w.module, w, w.previous)
+                w.removed = True
         logger.info("ac_policies: removed %d wrapper(s)", len(self._wrappers))
 
-    def __enter__(self) -> "PolicyHandle":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
-        return f"<PolicyHandle {self.plan.policy.name or 'custom'}: {len(self._wrappers)} module(s), {state}>"
+    def _describe(self) -> str:
+        return f"{self.plan.policy.name or 'custom'}: {len(self._wrappers)} module(s)"
 
 
 def policy_of(obj: Any) -> Optional[PolicyHandle]:
@@ -237,9 +229,7 @@ class PolicyForward:
 
     def _below(self) -> Callable[..., Any]:
         """What this wrapper calls: ``previous``, else the class's forward bound to the module."""
-        if self.previous is not None:
-            return self.previous
-        return types.MethodType(type(self.module).forward, self.module)
+        return forward_below(self.module, self.previous)
 
     def _call_below(self, /, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -342,7 +332,7 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
         around, under = lineages[row.fqn][1:depth], lineages[row.fqn][depth:]
         ours = PolicyForward(module, row, p, module.__dict__.get("forward"), around, under,
                              side_effect_allowance(module, row.fqn))
-        module.__dict__["forward"] = ours
+        swap_forward(module, ours)
         wrappers.append(ours)
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)
     logger.info("ac_policies: applied %s to %s: %d module(s) wrapped", p.policy.name or "custom table", p.model_type, len(wrappers))

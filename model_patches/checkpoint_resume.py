@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .calls import parameters_probe
+from .probes import parameters_probe
 from .registry import PatchHandle, PatchRecord, StatusTable, apply_records, is_applied, record_status
 
 __all__ = ["RESUME_RECORDS", "enable_resume_conversion", "resume_conversion_status", "restore_checkpoint_layout"]

@@ -1,32 +1,20 @@
 """``handles(model)``: the handles of this package's patches that act on a model, found from the
 model itself (a copy's patches included).
 
-A patch that acts on one model records its handle here (:func:`track`), keyed weakly by the model:
-the entry goes with the model, and a removed handle is no longer listed.
+A patch that acts on one model records its handle in the patch layer's ledger
+(:func:`patch_layer.track`), keyed weakly by the model: the entry goes with the model, and a
+removed handle is no longer listed.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch.nn as nn
 
-from .registry import Handle
+from patch_layer import Handle, track, tracked
 
 __all__ = ["handles", "modules_of", "track", "tracked"]
-
-_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, list[Handle]]" = weakref.WeakKeyDictionary()
-
-
-def track(model: nn.Module, handle: Handle) -> None:
-    """Record that ``handle`` acts on ``model`` (called by the patches that take a model)."""
-    _BY_MODEL.setdefault(model, []).append(handle)
-
-
-def tracked(model: nn.Module) -> list[Handle]:
-    """The active handles recorded for ``model`` itself (not its submodules)."""
-    return [h for h in _BY_MODEL.get(model, ()) if h.active]
 
 
 def modules_of(obj: Any) -> list[nn.Module]:

@@ -27,18 +27,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import threading
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from .calls import holder_of
+from patch_layer import AttributeLedger, AttributePatch, Handle, holder_of
+from patch_layer.handle import LOCK
 
 __all__ = [
     "PatchRecord",
-    "Handle",
     "PatchHandle",
     "PatchError",
     "StatusRow",
@@ -142,9 +141,8 @@ def installed_version() -> str:
     return str(transformers.__version__)
 
 
-# target -> [record, owner object, attribute name, original, replacement, refcount]
-_ACTIVE: dict[str, list[Any]] = {}
-_LOCK = threading.RLock()
+#: The attributes this package's records have patched (:class:`patch_layer.AttributeLedger`).
+LEDGER = AttributeLedger()
 _WARNED_NEWER: set[tuple[str, str]] = set()
 
 
@@ -167,9 +165,9 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
 
 def _original(record: PatchRecord) -> Any:
     """The unpatched object behind ``record.target`` (looks through an active patch)."""
-    active = _ACTIVE.get(record.target)
+    active = LEDGER.get(record.target)
     if active is not None:
-        return active[3]
+        return active.original
     return _resolve(record.target)[2]
 
 
@@ -206,42 +204,6 @@ def _warn_if_newer(records: Sequence[PatchRecord], version: str) -> None:
                 warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-class Handle:
-    """What every patch of this package returns: ``remove()``, a read-only ``active``, a ``repr``,
-    and ``with`` support. Removing twice is a no-op; a removal that would delete code patched on
-    top of this handle's raises ``ValueError`` and changes nothing (subclasses check in ``_undo``
-    before they change anything)."""
-
-    _removed = False
-
-    @property
-    def active(self) -> bool:
-        """True until :meth:`remove` succeeds."""
-        return not self._removed
-
-    def remove(self) -> None:
-        """Undo what this handle did (see the class docstring)."""
-        if self._removed:
-            return
-        self._undo()
-        self._removed = True
-
-    def _undo(self) -> None:
-        raise NotImplementedError
-
-    def _describe(self) -> str:
-        raise NotImplementedError
-
-    def __enter__(self) -> "Handle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._describe()}, {'removed' if self._removed else 'active'}>"
-
-
 class PatchHandle(Handle):
     """Undo handle of :func:`apply_records`; also a context manager.
 
@@ -258,44 +220,33 @@ class PatchHandle(Handle):
 
     def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "",
                  companions: Sequence[Handle] = ()) -> None:
+        super().__init__(companions)
         self._targets = list(targets)
         self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
         self._what = what
-        self.companions: list[Handle] = list(companions)
 
-    def remove(self) -> None:
-        with _LOCK:
-            super().remove()
+    def _releasing(self) -> list[AttributePatch]:
+        """The patches whose last handle this is."""
+        return [p for t in self._targets if (p := LEDGER.get(t)) is not None and p.refcount == 1]
+
+    def _check(self) -> None:
+        for patch in self._releasing():
+            current = getattr(patch.owner, patch.attribute, None)
+            if not patch.live and holder_of(current, patch.replacement) is None:
+                raise self.refuse_wrapped(patch.target, current)
 
     def _undo(self) -> None:
-        releasing = [t for t in self._targets if t in _ACTIVE and _ACTIVE[t][5] == 1]
-        replaced = [t for t in releasing if getattr(_ACTIVE[t][1], _ACTIVE[t][2], None) is not _ACTIVE[t][4]]
-        stuck = [t for t in replaced if holder_of(getattr(_ACTIVE[t][1], _ACTIVE[t][2]), _ACTIVE[t][4]) is None]
-        if stuck:
-            raise ValueError(
-                f"cannot remove {self!r}: {', '.join(stuck)} was replaced by other code after this "
-                "handle patched it, and that code holds this handle's replacement in a way that cannot be "
-                "unwrapped; restoring the original would delete it. Remove the later patch first, then "
-                "call handle.remove()"
-            )
-        for companion in reversed(self.companions):
-            companion.remove()
         for target in reversed(self._targets):
-            entry = _ACTIVE.get(target)
-            if entry is None:
+            patch = LEDGER.release(target)
+            if patch is None:
                 continue
-            entry[5] -= 1
-            if entry[5] > 0:
-                continue
-            del _ACTIVE[target]
-            record, owner, attr, original, replacement, _ = entry
-            current = getattr(owner, attr, None)
-            if current is replacement:
-                setattr(owner, attr, original)
-                logger.info("restored %s (%s)", target, record.name)
+            current = getattr(patch.owner, patch.attribute, None)
+            if current is patch.replacement:
+                setattr(patch.owner, patch.attribute, patch.original)
+                logger.info("restored %s (%s)", target, patch.source.name)
             else:  # the later code stays and now calls the original
-                holder_of(current, replacement)(original)
-                logger.info("unwrapped %s (%s) from under later code", target, record.name)
+                holder_of(current, patch.replacement)(patch.original)
+                logger.info("unwrapped %s (%s) from under later code", target, patch.source.name)
 
     def _describe(self) -> str:
         return f"{self._what + ': ' if self._what else ''}{len(self._targets)} patches"
@@ -313,7 +264,7 @@ def apply_records(
     as a warning and left out. ``what`` names the patches in the handle's ``repr``.
     """
     version = version or installed_version()
-    with _LOCK:
+    with LOCK:
         _warn_if_newer(records, version)
         checks = [(rec, *_check(rec, version)) for rec in records]
         failed = [(rec, reason) for rec, state, reason in checks if state == "failed"]
@@ -343,26 +294,24 @@ def apply_records(
 
 
 def _patch(rec: PatchRecord) -> None:
-    entry = _ACTIVE.get(rec.target)
-    if entry is not None:
-        if entry[0] != rec:
+    patch = LEDGER.get(rec.target)
+    if patch is not None:
+        if patch.source != rec:
             raise PatchError(
-                f"{rec.target} is already patched by record {entry[0].name!r}; record {rec.name!r} "
+                f"{rec.target} is already patched by record {patch.source.name!r}; record {rec.name!r} "
                 "cannot patch it too. Remove the other handle first."
             )
-        entry[5] += 1
+        LEDGER.acquire(rec.target)
         return
     owner, attr, original = _resolve(rec.target)
-    replacement = rec.build(original)
-    setattr(owner, attr, replacement)
-    _ACTIVE[rec.target] = [rec, owner, attr, original, replacement, 1]
+    LEDGER.install(rec.target, owner, attr, rec.build(original), source=rec)
     logger.info("patched %s (%s)", rec.target, rec.name)
 
 
 def live_records() -> list[PatchRecord]:
     """Every record currently applied by a live handle, in the order they were applied."""
-    with _LOCK:
-        return [entry[0] for entry in _ACTIVE.values()]
+    with LOCK:
+        return [patch.source for patch in LEDGER]
 
 
 def is_applied(target: str) -> bool:
@@ -371,19 +320,19 @@ def is_applied(target: str) -> bool:
     A lock-free read (one dict lookup), so that patched code calling it at forward time traces
     under ``torch.compile`` without a graph break.
     """
-    entry = _ACTIVE.get(target)
-    return entry is not None and getattr(entry[1], entry[2], None) is entry[4]
+    patch = LEDGER.get(target)
+    return patch is not None and patch.live
 
 
 def record_status(records: Sequence[PatchRecord], *, version: Optional[str] = None) -> StatusTable:
     """One row per record: applied (by a live handle), available, skipped or failed, and why."""
     version = version or installed_version()
     rows = []
-    with _LOCK:
+    with LOCK:
         for rec in records:
-            entry = _ACTIVE.get(rec.target)
-            if entry is not None and entry[0] == rec:
-                state, reason = "applied", f"{entry[5]} live handle(s)"
+            patch = LEDGER.get(rec.target)
+            if patch is not None and patch.source == rec:
+                state, reason = "applied", f"{patch.refcount} live handle(s)"
             else:
                 state, reason = _check(rec, version)
             rows.append(StatusRow(rec.name, rec.target, rec.versions, state, reason, rec.epoch))

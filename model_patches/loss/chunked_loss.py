@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 import functional_ce
 
-from ..calls import parameters_probe
 from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track
+from ..probes import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 from .model_scope import ReleaseWithModel

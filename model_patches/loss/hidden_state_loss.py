@@ -37,11 +37,10 @@ import torch.nn as nn
 
 import functional_ce
 from functional_ce.spec import ChunkSize
+from patch_layer import Handle, holder_of, restore_forward, wrapped_forward
 
-from ..calls import holder_of, unwrap_from_under
 from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track, tracked
-from ..registry import Handle
 from .causal_lm_parts import (
     VERIFIED_MODEL_TYPES,
     decoder_inputs,
@@ -259,42 +258,26 @@ class HiddenStateLossHandle(Handle):
     """
 
     def __init__(self, model: nn.Module, replacement: HiddenStateLossForward, companions: Sequence[Handle] = ()) -> None:
+        # the call scope and watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
+        super().__init__([*companions, ReleaseWithModel(model, self)])
         self._model, self._replacement = weakref.ref(model), weakref.ref(replacement)
         self._name = type(model).__name__
-        # the call scope and watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
-        self._companions = [*companions, ReleaseWithModel(model, self)]
+
+    def _check(self) -> None:
+        model, replacement = self._model(), self._replacement()
+        if model is None or replacement is None:  # the model is gone, or nothing holds the patch any more
+            return
+        try:
+            wrapped_forward(model, replacement)
+        except LookupError as exc:
+            raise self.refuse_wrapped(f"{self._name}.forward", exc.args[0]) from None
 
     def _undo(self) -> None:
         model, replacement = self._model(), self._replacement()
-        if model is None or replacement is None:  # the model is gone, or nothing holds the patch any more
-            self._remove_companions()
+        if model is None or replacement is None:
             return
-        top = model.__dict__.get("forward")
-        below = replacement.below()
-        unwrapped = top is not replacement and unwrap_from_under(top, replacement, below)
-        if top is not replacement and not unwrapped:
-            raise ValueError(
-                f"cannot remove {self!r}: {self._name}.forward was replaced by other code "
-                "after enable_hidden_state_loss patched it, and that code holds the patched forward in a way "
-                "that cannot be unwrapped; restoring the original would delete that code. "
-                "Remove the later patch first, then call handle.remove()"
-            )
-        self._remove_companions()
-        if unwrapped:  # the later code stays installed and now calls what this patch wrapped
-            # References the later code keeps on the model to what it wrapped (Accelerate's
-            # ``_original_forward``) now name what this patch wrapped, as without the patch.
-            for name, value in list(vars(model).items()):
-                if value is replacement:
-                    setattr(model, name, below)
-            logger.info("enable_hidden_state_loss: unwrapped from under %s", getattr(top, "__qualname__", top))
-        elif replacement.own is not None:
-            model.forward = replacement.own
-        else:
-            model.__dict__.pop("forward", None)
-
-    def _remove_companions(self) -> None:
-        for companion in reversed(self._companions):
-            companion.remove()
+        if restore_forward(model, replacement, replacement.own):  # the later code now calls what this patch wrapped
+            logger.info("enable_hidden_state_loss: unwrapped from under %s", type(model.forward).__qualname__)
 
     def _describe(self) -> str:
         return f"{self._name}.forward" + ("" if self._model() is not None else " (model collected)")

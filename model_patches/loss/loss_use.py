@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..registry import Handle
+from patch_layer import Handle
+
 from .trl_modes import trl_heads_routed
 
 __all__ = ["FUSED_HEAD_KEYWORD", "TRAINER_HEAD_FIX", "LossUseWatch", "loss_reached", "trainer_fused_head"]

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from ..registry import Handle
+from patch_layer import Handle
 
 __all__ = ["ModelScope", "Refusal", "ReleaseWithModel", "model_name"]
 

@@ -49,9 +49,11 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from ..calls import parameters_probe
+from patch_layer import Handle
+
 from ..checkpoint_resume import enable_resume_conversion
-from ..registry import Handle, PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
+from ..probes import parameters_probe
+from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
 from .model_scope import ModelScope, Refusal, ReleaseWithModel
 from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
 from .trl_modes import REFUSALS, ROUTED, refusal, trl_heads_routed

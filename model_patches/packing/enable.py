@@ -13,9 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..calls import model_modules
 from ..checkpoint_resume import enable_resume_conversion
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
+from ..targets import model_modules
 from .aux_loss import AUX_LOSS_NAME
 from .coverage import CAPABILITIES, refusals_for_model
 from .table import BUILDERS, COVERED_FAMILIES, MASK_PATH_TARGETS, RECURRENT, is_packing_record, packing_records

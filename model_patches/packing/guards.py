@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..calls import argument, is_live, mask_arguments, parameters, parameters_probe
+from ..arguments import argument, mask_arguments, parameters
+from ..probes import parameters_probe
+from ..targets import is_live
 from .coverage import capabilities_for_config
 from .masks import document_ids, document_positions, reads_as_document_ids, split_at_position_resets
 

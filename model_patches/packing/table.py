@@ -50,8 +50,9 @@ import importlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from ..calls import mask_arguments_probe, model_modules, unwrapped
+from ..probes import mask_arguments_probe
 from ..registry import PatchRecord
+from ..targets import model_modules, unwrapped
 from .aux_loss import AUX_LOSS_NAME, aux_loss_probe, build_aux_loss
 from .coverage import CAPABILITIES, made_correct_targets
 from .guards import build_forward_guard, build_guard, build_recurrent_mask, forward_probe

@@ -269,9 +269,33 @@ def test_undo_refuses_when_forward_was_replaced_later():
     m = Toy()
     handle = ac_policies.apply_policy(m, [Rule(when="attention")])
     m.layers[0].self_attn.forward = lambda x: x
-    with pytest.raises(ValueError, match="replaced after apply_policy"):
+    with pytest.raises(ValueError, match="cannot be unwrapped"):
         handle.remove()
     del m.layers[0].self_attn.forward
-    with pytest.raises(ValueError, match="replaced after apply_policy"):
+    with pytest.raises(ValueError, match="cannot be unwrapped"):
         handle.remove()
     assert handle.active
+
+
+def test_undo_takes_the_policy_out_from_under_a_later_wrapper():
+    # the behaviour every handle shares (patch_layer.handle): a later wrapper that holds the policy's
+    # forward in a closure stays installed and calls the module's own forward once the policy is removed
+    torch.manual_seed(0)
+    m = Toy()
+    x = torch.randn(2, 5, 4)
+    attn = m.layers[0].self_attn
+    handle = ac_policies.apply_policy(m, [Rule(when="attention")])
+    policy_forward = attn.forward
+    calls = []
+
+    def later(*args, **kwargs):
+        calls.append(1)
+        return policy_forward(*args, **kwargs)
+
+    attn.forward = later
+    handle.remove()
+    assert not handle.active and ac_policies.policy_of(m) is None
+    assert attn.__dict__["forward"] is later  # the later code stays
+    m.train()
+    m(x).sum().backward()
+    assert calls == [1]
