@@ -43,7 +43,7 @@ from torch import nn
 
 from .apply import applied_row, apply_policy
 from .fake import fake_model
-from .fit_search import _candidates, _Choice, _Option, _select, _useful
+from .fit_search import Choice, Option, candidates, select, useful
 from .measure import StepCost, step_cost
 from .plan import ACPolicyWarning, plan
 from .rules import ACTIONS, Rule
@@ -193,12 +193,12 @@ def _kind(block: nn.Module) -> tuple:
             tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
 
 
-def _choices(block: nn.Module, actions: tuple[str, ...]) -> list[_Choice]:
+def _choices(block: nn.Module, actions: tuple[str, ...]) -> list[Choice]:
     total = max(_numel(block), 1)
     large = [n for n, c in block.named_children() if _numel(c) >= _LARGE_CHILD * total]
     groups = [(n,) for n in large] + list(itertools.combinations(large, 2))
-    choices = [_Choice((("", a),)) for a in actions]
-    choices += [_Choice(tuple((n, a) for n in group)) for a in actions for group in groups]
+    choices = [Choice((("", a),)) for a in actions]
+    choices += [Choice(tuple((n, a) for n in group)) for a in actions for group in groups]
     return choices
 
 
@@ -272,7 +272,7 @@ def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[st
     name = f"fit({budget!r})"
     if peak0 <= limit:
         return Policy((), name=name, summary=f"measured peak {_mib(peak0)} without checkpointing, within {_mib(limit)}")
-    measured: dict[tuple, list[_Option]] = {}
+    measured: dict[tuple, list[Option]] = {}
     per_block = []
     for fqn in blocks:
         block = model.get_submodule(fqn)
@@ -281,15 +281,15 @@ def _fit(session: _Session, blocks: list[str], budget: Budget, actions: tuple[st
             options = []
             for choice in _choices(block, actions):
                 measured_cost = session.cost(choice.rules(fqn))
-                options.append(_Option(choice, peak0 - measured_cost.peak,
+                options.append(Option(choice, peak0 - measured_cost.peak,
                                        (measured_cost.recompute_flops, measured_cost.recompute_ops)))
-            measured[kind] = _useful(options)
+            measured[kind] = useful(options)
             logger.info("fit: %s (%d choices measured, %d useful)", fqn, len(options), len(measured[kind]))
         per_block.append(measured[kind])
-    candidates = _candidates(blocks, per_block, peak0)
-    chosen, verified = _select(candidates, peak0, limit, lambda c: session.peak(list(c.rules)))
+    ranked = candidates(blocks, per_block, peak0)
+    chosen, verified = select(ranked, peak0, limit, lambda c: session.peak(list(c.rules)))
     if chosen is None:
-        lowest = session.peak(list(candidates[-1].rules))
+        lowest = session.peak(list(ranked[-1].rules))
         raise ValueError(
             f"budget {_mib(limit)} is below the smallest step peak the choices reach: {_mib(lowest)} "
             f"(measured; {_mib(peak0)} without checkpointing, actions {list(actions)}). "

@@ -21,7 +21,7 @@ _MAX_VERIFIED = 48
 
 
 @dataclasses.dataclass(frozen=True)
-class _Choice:
+class Choice:
     """One way to treat a block: ``(path relative to the block, action)`` pairs ('' = the block)."""
 
     parts: tuple[tuple[str, str], ...]
@@ -35,15 +35,15 @@ class _Choice:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Option:
+class Option:
     """A measured choice: bytes it saves at the step peak; its recompute cost (FLOPs, op calls)."""
 
-    choice: _Choice
+    choice: Choice
     saved: int
     cost: Cost
 
 
-def _useful(options: list[_Option]) -> list[_Option]:
+def useful(options: list[Option]) -> list[Option]:
     """Options that save something, without one that saves at least as much for no more FLOPs."""
     kept = []
     for o in sorted(options, key=lambda o: (o.cost, -o.saved)):
@@ -52,7 +52,7 @@ def _useful(options: list[_Option]) -> list[_Option]:
     return kept
 
 
-def _frontier(per_block: list[list[_Option]], quantum: int) -> list[tuple[Cost, int, tuple[Optional[_Option], ...]]]:
+def _frontier(per_block: list[list[Option]], quantum: int) -> list[tuple[Cost, int, tuple[Optional[Option], ...]]]:
     """``(cost, saved, one option or None per block)`` on the cost/saving frontier, cheapest first."""
     states: dict[int, tuple[Cost, int, tuple]] = {0: ((0, 0), 0, ())}  # bucket -> (cost, saved, picks)
     for options in per_block:
@@ -73,37 +73,37 @@ def _frontier(per_block: list[list[_Option]], quantum: int) -> list[tuple[Cost, 
     return front
 
 
-def _rules(blocks: list[str], picks: tuple[Optional[_Option], ...]) -> list[Rule]:
+def _rules(blocks: list[str], picks: tuple[Optional[Option], ...]) -> list[Rule]:
     return [rule for fqn, o in zip(blocks, picks) if o is not None for rule in o.choice.rules(fqn)]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Candidate:
+class Candidate:
     """A whole table: its rules, predicted recompute cost and saving, and the option per block."""
 
     rules: tuple[Rule, ...]
     cost: Cost
     saved: int
-    picks: tuple[Optional[_Option], ...]
+    picks: tuple[Optional[Option], ...]
 
 
-def _candidates(blocks: list[str], per_block: list[list[_Option]], peak0: int) -> list[_Candidate]:
+def candidates(blocks: list[str], per_block: list[list[Option]], peak0: int) -> list[Candidate]:
     """The frontier of mixed tables and that of block-level tables, cheapest first (the one that
     saves the most last)."""
     quantum = max(1, peak0 // _BUCKETS)
     front = _frontier(per_block, quantum)
     block_level = _frontier([[o for o in opts if o.choice.block_level] for opts in per_block], quantum)
-    found: dict[tuple[Rule, ...], _Candidate] = {}
+    found: dict[tuple[Rule, ...], Candidate] = {}
     for cost, saved, picks in [*front, *block_level]:
         picks = _earliest_first(per_block, picks)
         rules = tuple(_rules(blocks, picks))
-        found.setdefault(rules, _Candidate(rules, cost, saved, picks))
+        found.setdefault(rules, Candidate(rules, cost, saved, picks))
     ordered = sorted(found.values(), key=lambda c: (c.cost, -c.saved))
     most = max(ordered, key=lambda c: (c.saved, [-x for x in c.cost]))
     return [c for c in ordered if c is not most] + [most]
 
 
-def _earliest_first(per_block: list[list[_Option]], picks: tuple[Optional[_Option], ...]) -> tuple[Optional[_Option], ...]:
+def _earliest_first(per_block: list[list[Option]], picks: tuple[Optional[Option], ...]) -> tuple[Optional[Option], ...]:
     """``picks`` rearranged among blocks of one kind (same options) so that earlier blocks get the
     choices that save more. Costs and predicted savings do not change; the measured peak does:
     backward recomputes a late block while the activations of every earlier block are still held,
@@ -119,8 +119,8 @@ def _earliest_first(per_block: list[list[_Option]], picks: tuple[Optional[_Optio
     return tuple(out)
 
 
-def _select(candidates: list[_Candidate], peak0: int, limit: int,
-            peak_of: Callable[[_Candidate], int]) -> tuple[Optional[_Candidate], int]:
+def select(candidates: list[Candidate], peak0: int, limit: int,
+            peak_of: Callable[[Candidate], int]) -> tuple[Optional[Candidate], int]:
     """The cheapest candidate whose measured peak (``peak_of``) is within ``limit``, and how many
     were measured; None when even the one that saves the most (the last) is over the limit.
 

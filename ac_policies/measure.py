@@ -29,15 +29,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, shape_wrapper
+
+from .accounting import LiveBytes, OpOutputs, measured_device, storage_key
 
 __all__ = [
     "KeptBytes", "StepBytes", "StepCost", "kept_for_backward", "step_bytes", "step_cost", "flop_counter",
-    "grouped_mm_flop", "recompute_flops", "storage_key",
+    "grouped_mm_flop", "recompute_flops",
 ]
 
 
@@ -154,55 +154,6 @@ class KeptBytes:
     saved: int
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage (its storage object's address): views share it, and fake
-    tensors, whose storages have no data pointer, have one too. Unique while the storage lives."""
-    return t.untyped_storage()._cdata
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 parameters and their optimizer state), else ``t``."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-class _Outputs(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op produces, each storage once, except
-    ``owned`` storage (and, with ``device_type``, storage on other devices: host copies of
-    offloaded activations do not count against a GPU's memory). ``size_of`` turns a storage's
-    ``nbytes`` into the bytes counted (default: exactly ``nbytes``)."""
-
-    def __init__(self, owned: frozenset = frozenset(), device_type: Optional[str] = None,
-                 size_of: Optional[Callable[[int], int]] = None) -> None:
-        super().__init__()
-        self.owned = owned
-        self.device_type = device_type
-        self.size_of = size_of
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._record(out)
-        return out
-
-    def _record(self, out: Any) -> int:
-        """Record the storages in ``out``; how many were new."""
-        new = 0
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            t = _local(t)
-            if t.device.type != "meta" and (self.device_type is None or t.device.type == self.device_type):
-                st = t.untyped_storage()
-                key = st._cdata
-                old = self.refs.get(key)
-                if key not in self.owned and (old is None or old[0].expired()):
-                    n = st.nbytes()
-                    self.refs[key] = (StorageWeakRef(st), self.size_of(n) if self.size_of else n)
-                    new += 1
-        return new
-
-
 def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, KeptBytes]:
     """Run ``forward()`` (returning the loss) and measure what it keeps for backward.
 
@@ -218,7 +169,7 @@ def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> 
             packed[st._cdata] = st.nbytes()
         return t
 
-    mode = _Outputs()
+    mode = OpOutputs()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
         loss = forward()
     gc.collect()
@@ -228,13 +179,6 @@ def kept_for_backward(model: nn.Module, forward: Callable[[], torch.Tensor]) -> 
     return loss, KeptBytes(live=live, saved=saved)
 
 
-def _accelerator(model: nn.Module) -> Optional[str]:
-    """The device type whose memory a step is measured on: the parameters' accelerator, or None
-    on CPU (every tensor counts)."""
-    param = next(model.parameters(), None)
-    return param.device.type if param is not None and param.device.type != "cpu" else None
-
-
 @dataclasses.dataclass(frozen=True)
 class StepBytes:
     """Activation bytes of one training step: alive when forward returns, and the highest alive
@@ -242,25 +186,6 @@ class StepBytes:
 
     kept: int
     peak: int
-
-
-class _Live(_Outputs):
-    """Bytes of op outputs alive after each op, and their maximum."""
-
-    def __init__(self, owned: set, device_type: Optional[str] = None,
-                 size_of: Optional[Callable[[int], int]] = None) -> None:
-        super().__init__(frozenset(owned), device_type, size_of)
-        self.peak = 0
-
-    def total(self) -> int:
-        for key in [k for k, (ref, _) in self.refs.items() if ref.expired()]:
-            del self.refs[key]
-        return sum(n for _, n in self.refs.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        self.peak = max(self.peak, self.total())
-        return out
 
 
 def step_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> StepBytes:
@@ -300,7 +225,7 @@ def _step(model: nn.Module, forward: Callable[[], torch.Tensor], counted: Option
             p.grad = torch.zeros_like(p)
     owned = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
     owned |= {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
-    live = _Live(owned, _accelerator(model))
+    live = LiveBytes(owned, measured_device(model))
     gc.freeze()  # the collection after forward then scans only what forward made (fast in a large process)
     try:
         with live:

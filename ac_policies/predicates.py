@@ -109,7 +109,7 @@ def predicate(fn: PredicateFn, name: Optional[str] = None) -> Predicate:
     return Predicate(fn, label, None)
 
 
-def _paren(p: Predicate, ops: tuple[str, ...] = (" & ", " | ")) -> str:
+def parenthesized(p: Predicate, ops: tuple[str, ...] = (" & ", " | ")) -> str:
     """The name, parenthesised when it has one of ``ops`` at the top level."""
     depth = 0
     for i, ch in enumerate(p.name):
@@ -128,7 +128,7 @@ def all_of(*preds: Any) -> Predicate:
     if len(ps) == 1:
         return ps[0]
     spec = {"all_of": [p.spec for p in ps]} if all(p.spec is not None for p in ps) else None
-    return Predicate(lambda f, m: all(p(f, m) for p in ps), " & ".join(_paren(p, (" | ",)) for p in ps), spec)
+    return Predicate(lambda f, m: all(p(f, m) for p in ps), " & ".join(parenthesized(p, (" | ",)) for p in ps), spec)
 
 
 def any_of(*preds: Any) -> Predicate:
@@ -139,14 +139,14 @@ def any_of(*preds: Any) -> Predicate:
     if len(ps) == 1:
         return ps[0]
     spec = {"any_of": [p.spec for p in ps]} if all(p.spec is not None for p in ps) else None
-    return Predicate(lambda f, m: any(p(f, m) for p in ps), " | ".join(_paren(p) for p in ps), spec)
+    return Predicate(lambda f, m: any(p(f, m) for p in ps), " | ".join(parenthesized(p) for p in ps), spec)
 
 
 def not_(pred: Any) -> Predicate:
     """Negation (``~a``)."""
     p = resolve_predicate(pred)
     spec = {"not": p.spec} if p.spec is not None else None
-    return Predicate(lambda f, m: not p(f, m), f"~{_paren(p)}", spec)
+    return Predicate(lambda f, m: not p(f, m), f"~{parenthesized(p)}", spec)
 
 
 def _layer_index(fqn: str) -> Optional[int]:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from .predicates import _paren, resolve_predicate
+from .predicates import parenthesized, resolve_predicate
 from .selective import Every, resolve_ops
 
 __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
@@ -105,7 +105,7 @@ class Rule:
     def __str__(self) -> str:
         parts = [] if self.match == "*" else [f"match({self.match!r})"]
         if self.when is not None:
-            parts.append(_paren(self.when, (" | ",)) if parts else self.when.name)
+            parts.append(parenthesized(self.when, (" | ",)) if parts else self.when.name)
         text = " & ".join(parts) or "*"
         ops = f" ops={list(self.ops)}" if self.ops is not None else ""
         if self.recompute_every is not None:

@@ -18,6 +18,68 @@ from .spec import Count, LossSpec, linear_auto_chunk, requested_chunk_rows, spec
 
 # --- tensors -----------------------------------------------------------------------------------
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+def check_float(name: str, t: object) -> torch.Tensor:
+    """``t`` when it is a float32, bfloat16 or float16 tensor, else a ``TypeError`` naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t
+
+
+def check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
+    """Check the hidden-state form's inputs: ``hidden [..., H]``, ``weight [V, H]`` and ``bias [V]``
+    (or None), floating point, one dtype and one device."""
+    hidden = check_float("hidden", hidden)
+    weight = check_float("weight", weight)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have at least one dim [..., H], got a 0-dim tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H] (an lm_head weight), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight shape "
+            f"{tuple(weight.shape)}; pass the [vocab, hidden] weight (not its transpose)"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1), got V=0")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"hidden and weight must have one dtype, got hidden {hidden.dtype} and weight {weight.dtype}; "
+            "cast one of them (e.g. hidden.to(weight.dtype))"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}; move both to one device")
+    if bias is None:
+        return
+    bias = check_float("bias", bias)
+    if bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) (one value per class), got {tuple(bias.shape)}")
+    if bias.dtype != weight.dtype:
+        raise TypeError(f"bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
+    if bias.device != weight.device:
+        raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+
+def autocast_inputs(hidden: object, weight: object, bias: object) -> tuple:
+    """Under ``torch.autocast``, cast like ``F.linear`` would: hidden, weight and bias to the
+    autocast dtype. Forward and the backward recomputation then see the same low-precision
+    operands, and autograd casts the gradients back to the parameters' dtype."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return hidden, weight, bias
+    device_type = hidden.device.type
+    if device_type not in ("cpu", "cuda", "xpu") or not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        return hidden, weight, bias
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
+
+
+
 
 def _check_labels(labels: object, batch_shape: torch.Size, device: torch.device, what: str) -> torch.Tensor:
     if not isinstance(labels, torch.Tensor):

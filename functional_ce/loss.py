@@ -12,10 +12,8 @@ from typing import Any
 import torch
 
 from . import driver
-from .inputs import make_spec
+from .inputs import autocast_inputs, check_float, check_linear_inputs, make_spec
 from .spec import keyword_signature
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_dtensor(t: object) -> bool:
@@ -25,14 +23,6 @@ def is_dtensor(t: object) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
-
-
-def check_float(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
-    return t
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -> torch.Tensor:
@@ -103,54 +93,6 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Any) ->
     spec, tokens = make_spec("logits", options, labels, batch_shape=logits.shape[:-1], n_classes=n_classes,
                              device=logits.device)
     return driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
-
-
-def _check_linear_inputs(hidden: object, weight: object, bias: object) -> None:
-    hidden = check_float("hidden", hidden)
-    weight = check_float("weight", weight)
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have at least one dim [..., H], got a 0-dim tensor")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H] (an lm_head weight), got shape {tuple(weight.shape)}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got weight shape "
-            f"{tuple(weight.shape)}; pass the [vocab, hidden] weight (not its transpose)"
-        )
-    if weight.shape[0] == 0:
-        raise ValueError("weight must have at least one row (V >= 1), got V=0")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"hidden and weight must have one dtype, got hidden {hidden.dtype} and weight {weight.dtype}; "
-            "cast one of them (e.g. hidden.to(weight.dtype))"
-        )
-    if weight.device != hidden.device:
-        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}; move both to one device")
-    if bias is None:
-        return
-    bias = check_float("bias", bias)
-    if bias.shape != weight.shape[:1]:
-        raise ValueError(f"bias must have shape ({weight.shape[0]},) (one value per class), got {tuple(bias.shape)}")
-    if bias.dtype != weight.dtype:
-        raise TypeError(f"bias must have the weight's dtype {weight.dtype}, got {bias.dtype}")
-    if bias.device != weight.device:
-        raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
-
-
-def _autocast_inputs(hidden: object, weight: object, bias: object) -> tuple:
-    """Under ``torch.autocast``, cast like ``F.linear`` would: hidden, weight and bias to the
-    autocast dtype. Forward and the backward recomputation then see the same low-precision
-    operands, and autograd casts the gradients back to the parameters' dtype."""
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        return hidden, weight, bias
-    device_type = hidden.device.type
-    if device_type not in ("cpu", "cuda", "xpu") or not torch.is_autocast_enabled(device_type):
-        return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(device_type)
-    if not (hidden.is_floating_point() and weight.is_floating_point()):
-        return hidden, weight, bias
-    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-    return cast(hidden), cast(weight), cast(bias)
 
 
 def gathered_head(weight: Any, bias: Any) -> tuple:
@@ -226,8 +168,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             unknown keyword (labels outside ``[0, V)`` are checked in eager mode only, as in
             ``cross_entropy``).
     """
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check_linear_inputs(hidden, weight, bias)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    check_linear_inputs(hidden, weight, bias)
     if is_dtensor(hidden):
         from .distributed.vocab import vocab_parallel_loss
 

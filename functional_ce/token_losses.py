@@ -13,8 +13,8 @@ from typing import Any, Optional, Union
 import torch
 
 from . import driver
-from .inputs import make_spec
-from .loss import _autocast_inputs, _check_linear_inputs, check_float, gathered_head, is_dtensor
+from .inputs import autocast_inputs, check_float, check_linear_inputs, make_spec
+from .loss import gathered_head, is_dtensor
 from .spec import keyword_signature
 
 LogProbs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
@@ -131,8 +131,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     ``Replicate()``); or sharded parameters with plain ``hidden`` (FSDP2: the weight is gathered
     for the call, its gradient is the sum over processes, reduce-scattered to the shards).
     """
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check_linear_inputs(hidden, weight, bias)
+    hidden, weight, bias = autocast_inputs(hidden, weight, bias)
+    check_linear_inputs(hidden, weight, bias)
     if is_dtensor(hidden):
         rows = _vocab_parallel("hidden", hidden, weight, bias, labels, options, "token_logprobs")
         return _split(rows, options)
@@ -239,9 +239,9 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     heads = []
     for who, h, w, b in (("student", student_hidden, student_weight, student_bias),
                          ("teacher", teacher_hidden, teacher_weight, teacher_bias)):
-        h, w, b = _autocast_inputs(h, w, b)
+        h, w, b = autocast_inputs(h, w, b)
         try:
-            _check_linear_inputs(h, w, b)
+            check_linear_inputs(h, w, b)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{who}: {exc}") from None
         heads.append((h, w, b))

@@ -1,7 +1,7 @@
 """One training step traced op by op: the bytes alive after every op, the phase and the modules
 running, on fake tensors (the estimate) or real ones (the measurement it is checked against).
 
-The accounting is :class:`ac_policies.measure._Live`'s: every storage an op produces is counted
+The accounting is :class:`ac_policies.accounting.LiveBytes`'s: every storage an op produces is counted
 once (by storage identity, not per view) from the op that makes it until nothing references it
 (weak references). Storages alive before the step (parameters, buffers, optimizer state) are the
 baseline, counted once by storage. Bytes are ``nbytes`` of each storage, or as ``size_of`` rounds
@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
-from ..measure import _Live, _local, storage_key
+from ..accounting import LiveBytes, local_shard, storage_key
 
 __all__ = ["PHASES", "StepTrace", "cuda_block_bytes", "make_optimizer", "trace_step", "unique_bytes"]
 
@@ -40,13 +40,13 @@ def unique_bytes(tensors: Iterable[Optional[torch.Tensor]], size_of: Callable[[i
     seen: dict[int, int] = {}
     for t in tensors:
         if t is not None:
-            t = _local(t)
+            t = local_shard(t)
             seen.setdefault(storage_key(t), size_of(t.untyped_storage().nbytes()))
     return sum(seen.values())
 
 
-class StepTrace(_Live):
-    """:class:`_Live` that keeps, per op: live op-output bytes (``totals``), the phase index
+class StepTrace(LiveBytes):
+    """:class:`LiveBytes` that keeps, per op: live op-output bytes (``totals``), the phase index
     (``phases``) and the fully qualified names of the modules running (``modules``, from
     ``ModTracker``, ``""`` for the root), and when each storage was first counted (``born``).
 
@@ -75,7 +75,7 @@ class StepTrace(_Live):
         index = len(self.totals)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                key = storage_key(_local(t))
+                key = storage_key(local_shard(t))
                 entry = self.refs.get(key)
                 if entry is not None and self.born.get(key, (None,))[0] is not entry[0]:
                     self.born[key] = (entry[0], index)
@@ -158,11 +158,11 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
     params = [p for p in model.parameters()]
     buffers = [b for b in model.buffers()]
     states = _state_tensors(opt)
-    owned = {storage_key(_local(t)) for t in [*params, *buffers, *states, *(resized() if resized else [])]}
+    owned = {storage_key(local_shard(t)) for t in [*params, *buffers, *states, *(resized() if resized else [])]}
     state_of = {}
     for n, p in named:
         st = opt.state.get(p, {}) if opt is not None else {}
-        state_of[n] = sum(size_of(_local(v).untyped_storage().nbytes()) for v in st.values()
+        state_of[n] = sum(size_of(local_shard(v).untyped_storage().nbytes()) for v in st.values()
                           if isinstance(v, torch.Tensor) and v.shape == p.shape)
     tracker = ModTracker()
     extra = (lambda: unique_bytes(resized(), size_of)) if resized is not None else None
@@ -187,7 +187,7 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
             loss.backward()
             del loss
         grads = [p.grad for _, p in named]
-        grad_keys = {storage_key(_local(p.grad)): n for n, p in named if p.grad is not None}
+        grad_keys = {storage_key(local_shard(p.grad)): n for n, p in named if p.grad is not None}
         grad_bytes = unique_bytes(grads, size_of)
         del grads
         trace.phase = 2

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ac_policies
-from ac_policies.fit import _candidates, _Choice, _Option, _select, parse_budget
+from ac_policies.fit import parse_budget
+from ac_policies.fit_search import Choice, Option, select
+from ac_policies.fit_search import candidates as ranked_candidates
 from ac_policies.measure import StepCost, step_cost
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model
@@ -179,17 +181,17 @@ def test_select_meets_the_limit_and_cost_never_grows_with_it(per_block, slack, f
     """Whatever the measured peaks (the prediction plus a transient the sum does not see), the
     choice is within the limit when one is, and a larger limit never costs more."""
     blocks = [f"model.layers.{i}" for i in range(len(per_block))]
-    table = [[_Option(_Choice(((f"part{k}", "checkpoint"),)), saved, (flops, ops))
+    table = [[Option(Choice(((f"part{k}", "checkpoint"),)), saved, (flops, ops))
               for k, (saved, flops, ops) in enumerate(opts)] for opts in per_block]
     peak0 = 100 + sum(max(s for s, _, _ in opts) for opts in per_block)
-    candidates = _candidates(blocks, table, peak0)
+    candidates = ranked_candidates(blocks, table, peak0)
 
     def peak_of(candidate) -> int:
         return peak0 - candidate.saved + slack[hash(candidate.rules) % len(slack)]
 
     chosen_costs = []
     for limit in sorted(int(f * peak0) for f in fractions):
-        chosen, _ = _select(candidates, peak0, limit, peak_of)
+        chosen, _ = select(candidates, peak0, limit, peak_of)
         if chosen is None:
             assert peak_of(candidates[-1]) > limit
             continue

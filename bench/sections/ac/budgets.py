@@ -37,7 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ac_policies
-from ac_policies.measure import _accelerator, _Live, flop_counter, step_cost, storage_key
+from ac_policies.accounting import LiveBytes, measured_device, storage_key
+from ac_policies.measure import flop_counter, step_cost
 from bench.harness.modes import override, pick
 from bench.harness.report import Table, ratio
 from bench.sections.ac.model import build, model_config
@@ -126,8 +127,8 @@ class _Relay(TorchDispatchMode):
         return self.target.__torch_dispatch__(func, types, args, kwargs)
 
 
-class _Timeline(_Live):
-    """:class:`_Live` that also keeps the bytes alive after each op and, per storage, the ops it
+class _Timeline(LiveBytes):
+    """:class:`LiveBytes` that also keeps the bytes alive after each op and, per storage, the ops it
     was alive across, so that the peak can be taken without some storages afterwards."""
 
     def __init__(self, owned: set, device_type: Optional[str] = None) -> None:
@@ -189,7 +190,7 @@ def compiled_step(model: torch.nn.Module, step: Callable[[torch.nn.Module], torc
             params = [*model.parameters(), *model.buffers()]
             owned = {storage_key(t) for t in params}
             owned |= {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
-            live = _Timeline(owned, _accelerator(model))
+            live = _Timeline(owned, measured_device(model))
             counter = flop_counter(custom_mapping=_fallback_formulas())
             hooks = [p.register_hook(lambda g: live.exclude(g)) for p in model.parameters() if p.requires_grad]
             relay.target = live
