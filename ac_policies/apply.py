@@ -20,7 +20,7 @@ Keyword arguments reach the module untouched whatever their names (they are boun
 under a wrapped one is refused with one message, whether it was enabled before
 ``apply_policy`` or after (then at the next training forward), and so is torch's
 ``checkpoint_wrapper`` (Accelerate's FSDP activation checkpointing) anywhere in the model when
-the policy is applied, or around, on or under a wrapped module later. Caches: see :mod:`ac_policies.cache`.
+the policy is applied, or around, on or under a wrapped module later. Caches: see :mod:`ac_policies.kv_cache`.
 
 Under ``torch.compile`` a region whose modules carry a known net-zero context wrapper (the
 ``kernels`` package's ``use_kernelized_func``) is traced without dynamo's side-effect check, so
@@ -45,7 +45,6 @@ from torch.utils.checkpoint import checkpoint
 
 from patch_layer import Handle, forward_below, restore_forward, swap_forward, wrapped_forward
 
-from .cache import cache_safe, has_cache
 from .compile_compat import call_region, side_effect_allowance
 from .double_checkpointing import (
     double_checkpointing_error,
@@ -56,6 +55,7 @@ from .double_checkpointing import (
     with_hf_flag,
     wrapper_checkpointing_error,
 )
+from .kv_cache import cache_safe, has_cache
 from .offload import default_offloader
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .selective import SelectiveOps, selective_context_fn

@@ -13,6 +13,7 @@ Layout: :mod:`~functional_ce.loss` and :mod:`~functional_ce.token_losses` (the p
 :mod:`~functional_ce.inputs` (the options, the per-token inputs and their checks),
 :mod:`~functional_ce.maths` (each loss's pure per-chunk maths), :mod:`~functional_ce.chunk` (the
 graphs torch.compile sees per chunk, and cross-entropy's ``chunk_forward`` / ``chunk_backward``),
+:mod:`~functional_ce.compiled_chunks` (the compile cache: one compiled graph per configuration),
 :mod:`~functional_ce.driver` (the loop over chunks), :mod:`~functional_ce.operators` (its custom
 operators), :mod:`~functional_ce.reduction` (mean / sum / none), :mod:`~functional_ce.weight_grad`
 (the fp32 weight-gradient accumulation), :mod:`~functional_ce.distributed` (vocabulary
@@ -27,7 +28,6 @@ from .spec import LossSpec
 from .token_losses import distillation_loss, linear_distillation_loss, linear_token_logprobs, token_logprobs
 
 __all__ = [
-    "ChunkOptions",
     "CrossEntropyLoss",
     "LinearCrossEntropyLoss",
     "LossSpec",
@@ -35,7 +35,6 @@ __all__ = [
     "chunk_forward",
     "cross_entropy",
     "distillation_loss",
-    "hidden_state_loss_fn",
     "linear_cross_entropy",
     "linear_distillation_loss",
     "linear_token_logprobs",

@@ -41,8 +41,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .chunk import LOSSES, backward_into, forward_into, linear_backward_chunk, linear_fused_chunk, run_chunk
+from .chunk import backward_into, forward_into, linear_backward_chunk, linear_fused_chunk
+from .compiled_chunks import run_chunk
 from .inputs import Tokens
+from .maths import LOSSES
 from .operators import custom_operator, refuse_double_backward
 from .reduction import reduce_rows, row_coefficients
 from .spec import LossSpec, decode

@@ -185,7 +185,7 @@ def make_spec(
     """Check a call's keyword ``options`` and per-token inputs; return its spec and tokens.
 
     ``form`` is ``"logits"`` or ``"hidden"`` (it names the float input in messages); ``loss`` a
-    key of :data:`functional_ce.chunk.LOSSES`; ``n_classes`` the full vocabulary size;
+    key of :data:`functional_ce.maths.LOSSES`; ``n_classes`` the full vocabulary size;
     ``row_classes`` the columns one chunk row holds (this process's slice under vocabulary
     parallelism, default ``n_classes``); ``vocab_start`` where that slice starts. ``labels`` may
     be None for a loss that needs none (distillation): every token then counts, unless masked.

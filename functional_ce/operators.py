@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .chunk import LOSSES
+from .maths import LOSSES
 from .spec import LossSpec, decode
 
 __all__ = ["IMPLEMENTATIONS", "custom_operator", "refuse_double_backward"]

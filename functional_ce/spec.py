@@ -39,7 +39,7 @@ LINEAR_AUTO_CHUNK_ROWS_CUDA = 2048
 LINEAR_AUTO_CHUNK_BYTES_CUDA = 1024 * 1024 * 1024
 
 FORMS = ("logits", "hidden")
-#: The per-token losses (keys of :data:`functional_ce.chunk.LOSSES`).
+#: The per-token losses (keys of :data:`functional_ce.maths.LOSSES`).
 LOSS_NAMES = ("cross_entropy", "token_logprobs", "distillation")
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -157,7 +157,7 @@ class LossSpec:
             chunk's logits in backward instead of computing the gradients in forward.
 
     Filled in by the library:
-        loss: which per-token loss (a key of :data:`functional_ce.chunk.LOSSES`).
+        loss: which per-token loss (a key of :data:`functional_ce.maths.LOSSES`).
         form: ``"logits"`` or ``"hidden"`` (logits ``hidden @ weight.T + bias``, built per chunk).
         chunk_rows: token rows per chunk; 0 means all rows in one chunk.
         vocab_start: the class id of a chunk's first column (where this process's slice of a

@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from .chunk import accumulate_into, copy_into, run_chunk
+from .chunk import accumulate_into, copy_into
+from .compiled_chunks import run_chunk
 from .spec import LossSpec
 
 logger = logging.getLogger(__name__)

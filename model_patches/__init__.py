@@ -4,12 +4,27 @@
 - :mod:`model_patches.loss`: the causal-LM loss on ``functional_ce``, with or without logits.
 - :mod:`model_patches.testing`: test tooling (the flash-attention double, the packing oracle,
   the family sweep, the tiny-model factory).
-- :mod:`model_patches.registry` (records, handles, status rows) and :mod:`model_patches.calls`
-  (call introspection) serve them all.
+- :mod:`model_patches.registry` (records, handles, status rows), :mod:`model_patches.arguments`
+  and :mod:`model_patches.probes` (reading calls, checking signatures) and
+  :mod:`model_patches.targets` serve them all; every handle stands on :mod:`patch_layer`.
+
+The names below are imported on first use, so that ``import model_patches`` stays light; the
+``TYPE_CHECKING`` imports show them to IDEs and type checkers.
 """
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checkpoint_resume import enable_resume_conversion, resume_conversion_status
+    from .loss.chunked_loss import chunked_loss_status, enable_chunked_loss
+    from .loss.hidden_state_loss import HiddenStateLossHandle, causal_lm_loss, enable_hidden_state_loss
+    from .loss.token_losses import causal_lm_distillation_loss, causal_lm_token_logprobs
+    from .loss.trl_heads import enable_trl_heads, trl_heads_status
+    from .model_handles import handles
+    from .packing.collator import PackingCollator
+    from .packing.enable import enable_packing, packing_status
+    from .registry import PatchError, PatchHandle, StatusRow, StatusTable
 
 # public name -> submodule; imported on first use so that `import model_patches` stays light.
 _LAZY: dict[str, str] = {
@@ -45,3 +60,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -5,6 +5,7 @@
   :mod:`.forward_keywords`: the keywords its patched forward takes or refuses.
 - :mod:`.token_losses`: ``causal_lm_token_logprobs`` and ``causal_lm_distillation_loss``.
 - :mod:`.trl_heads`: ``enable_trl_heads`` routes TRL's fused LM heads and chunked divergence.
-- :mod:`.loss_use` and :mod:`.model_scope`: whether a step reached the library's loss, and the
-  model a patch's refusal of TRL's kernels concerns (released when that model is collected).
+- :mod:`.unused_loss_watch`: a training call with labels that never reached the library's loss.
+- :mod:`.per_model_state`: the model a patch's refusal of TRL's kernels concerns (released when
+  that model is collected), and which mode TRL's routed heads are in.
 """

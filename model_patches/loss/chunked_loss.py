@@ -32,9 +32,9 @@ from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track
 from ..probes import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
-from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
-from .model_scope import ReleaseWithModel
+from .per_model_state import ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
+from .unused_loss_watch import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 
 __all__ = ["LOSS_RECORDS", "chunked_causal_lm_loss", "enable_chunked_loss", "chunked_loss_status"]
 
@@ -118,7 +118,7 @@ LOSS_RECORDS: tuple[PatchRecord, ...] = (
 )
 
 
-def enable_chunked_loss(*, model: Optional[torch.nn.Module] = None, strict: bool = True) -> PatchHandle:
+def enable_chunked_loss(model: Optional[torch.nn.Module] = None, *, strict: bool = True) -> PatchHandle:
     """Route ``model(..., labels=...)``'s causal-LM loss through ``functional_ce.cross_entropy``.
 
     Returns the undo handle (also a context manager). Applying twice is a no-op. A model with its

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from .loss_use import FUSED_HEAD_KEYWORD
+from .unused_loss_watch import FUSED_HEAD_KEYWORD
 
 __all__ = ["LOSS_ONLY_KEYS", "as_keywords", "model_keywords", "refuse_unknown_keywords"]
 

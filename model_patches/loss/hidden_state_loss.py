@@ -53,9 +53,9 @@ from .causal_lm_parts import (
     shifted_labels,
 )
 from .forward_keywords import as_keywords, model_keywords, refuse_unknown_keywords
-from .loss_use import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
-from .model_scope import ModelScope, ReleaseWithModel
+from .per_model_state import ModelScope, ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
+from .unused_loss_watch import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head
 
 __all__ = [
     "VERIFIED_MODEL_TYPES",

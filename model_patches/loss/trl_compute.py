@@ -20,7 +20,7 @@ import torch
 
 import functional_ce
 
-from .loss_use import loss_reached
+from .unused_loss_watch import loss_reached
 
 __all__ = ["OPTIONAL_OUTPUTS", "routed_divergence", "routed_logprobs"]
 

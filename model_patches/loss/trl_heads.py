@@ -12,13 +12,13 @@ scales and final-logit soft-caps become functional_ce's own options (for the div
 model's: ``logit_scale``/``softcap`` for the student, ``teacher_logit_scale``/``teacher_softcap``
 for the teacher), so soft-capped models (Gemma 2/3) are routed too.
 
-Each replacement decides at call time, from the mode state of :mod:`model_patches.loss.trl_modes`:
+Each replacement decides at call time, from the mode state of :mod:`model_patches.loss.per_model_state`:
 
 - an :func:`enable_trl_heads` handle is active: compute with
   :func:`functional_ce.linear_token_logprobs` (with its ``stats``) /
   :func:`functional_ce.linear_distillation_loss`, same arguments, same returns;
 - else a :func:`refuse_unrouted_trl_heads` handle concerns the call (one without a model: every
-  call; with ``model=``: that model's calls, see :class:`~model_patches.loss.model_scope.ModelScope`):
+  call; with ``model=``: that model's calls, see :class:`~model_patches.loss.per_model_state.ModelScope`):
   raise ``ValueError`` with its message (a loss patch TRL's head would bypass is refused, not
   silently unused);
 - else call TRL's own object.
@@ -54,9 +54,8 @@ from patch_layer import Handle
 from ..checkpoint_resume import enable_resume_conversion
 from ..probes import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
-from .model_scope import ModelScope, Refusal, ReleaseWithModel
+from .per_model_state import REFUSALS, ROUTED, ModelScope, Refusal, ReleaseWithModel, refusal, trl_heads_routed
 from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
-from .trl_modes import REFUSALS, ROUTED, refusal, trl_heads_routed
 
 __all__ = [
     "enable_trl_heads", "refuse_unrouted_trl_heads", "routed_divergence", "routed_logprobs", "trl_heads_routed",

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def enable_packing(
-    *, strict: bool = True, extra_modules: Sequence[str] = (), model: Optional[torch.nn.Module] = None
+    model: Optional[torch.nn.Module] = None, *, strict: bool = True, extra_modules: Sequence[str] = ()
 ) -> PatchHandle:
     """Make an indexed 2D attention mask mean "same document, causal, not padding".
 

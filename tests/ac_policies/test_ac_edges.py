@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ac_policies
-from ac_policies.cache import held_tokens
+from ac_policies.kv_cache import held_tokens
 from tests.support.batches import loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model
 

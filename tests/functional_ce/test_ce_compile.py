@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import functional_ce
-from functional_ce import chunk as compiled
+from functional_ce import compiled_chunks as compiled
 from tests.functional_ce.ce_cases import COMPILED_OPTIONS, COMPILED_V, ROUNDING, Case, loss_and_grad, make_case
 
 V = 96
@@ -169,7 +169,7 @@ def test_a_compiler_failure_falls_back_for_that_configuration_only(monkeypatch, 
     _fail_compile_with(monkeypatch, InvalidCxxCompiler(), calls)
     compiled._graphs.update(real_graphs)  # configurations compiled before keep their graphs
     case = make_case(1, (10,), 50, torch.float32)
-    with caplog.at_level(logging.WARNING, logger="functional_ce.chunk"):
+    with caplog.at_level(logging.WARNING, logger="functional_ce.compiled_chunks"):
         got, g = loss_and_grad(functional_ce.cross_entropy, case, compile_chunks=True)
         again, g_again = loss_and_grad(functional_ce.cross_entropy, case, compile_chunks=True)
     ref, g_ref = loss_and_grad(functional_ce.cross_entropy, case, compile_chunks=False)
@@ -194,7 +194,7 @@ def test_errors_that_are_not_compiler_failures_propagate(monkeypatch, caplog, ex
     calls: list = []
     _fail_compile_with(monkeypatch, exc, calls)
     case = make_case(2, (6,), 31, torch.float32)
-    with caplog.at_level(logging.WARNING, logger="functional_ce.chunk"):
+    with caplog.at_level(logging.WARNING, logger="functional_ce.compiled_chunks"):
         with pytest.raises(type(exc), match=str(exc).split()[0]):
             functional_ce.cross_entropy(case.logits, case.labels, compile_chunks=True)
     assert caplog.text == "", "no fallback, no warning: the error reaches the caller"

@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import functional_ce
-from functional_ce import chunk as compiled
+from functional_ce import compiled_chunks as compiled
 from tests.functional_ce.ce_cases import ROUNDING
 from tests.functional_ce.linear_cases import linear_loss_and_grads, make_linear_case
 

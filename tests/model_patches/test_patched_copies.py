@@ -201,7 +201,7 @@ def test_a_pickled_model_trains_with_the_same_losses_in_a_fresh_process(tmp_path
 def test_a_copy_of_a_model_under_the_chunked_loss_is_routed_and_carries_no_orphan_watch():
     """enable_chunked_loss(model=...) routes every model's loss (process-wide) and watches one model:
     a copy computes the routed loss, and the original's watch does not follow it."""
-    from model_patches.loss.loss_use import LossUseWatch
+    from model_patches.loss.unused_loss_watch import LossUseWatch
 
     def watches(m: torch.nn.Module) -> list[LossUseWatch]:
         hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]

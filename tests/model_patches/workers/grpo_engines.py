@@ -86,7 +86,7 @@ def train_grpo(mesh: Any, patches: tuple[str, ...], world: int = 1, fsdp: Option
     from datasets import Dataset
 
     from bench.harness import engines
-    from model_patches.loss import loss_use
+    from model_patches.loss import unused_loss_watch as loss_use
     from tests.support.tiny_models import tiny_loss_model
 
     if not engines.enter_run(world, mesh is not None):

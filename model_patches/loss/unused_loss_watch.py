@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from patch_layer import Handle
 
-from .trl_modes import trl_heads_routed
+from .per_model_state import trl_heads_routed
 
 __all__ = ["FUSED_HEAD_KEYWORD", "TRAINER_HEAD_FIX", "LossUseWatch", "loss_reached", "trainer_fused_head"]
 

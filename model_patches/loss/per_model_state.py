@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from patch_layer import Handle
 
-__all__ = ["ModelScope", "Refusal", "ReleaseWithModel", "model_name"]
+__all__ = ["ModelScope", "Refusal", "ReleaseWithModel", "model_name", "REFUSALS", "ROUTED", "refusal", "trl_heads_routed"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,3 +141,29 @@ class ReleaseWithModel(Handle):
 
     def _describe(self) -> str:
         return f"release with {self._name}"
+
+
+# --- which mode TRL's routed heads are in ---------------------------------------------------------
+# The live handles of :func:`~model_patches.enable_trl_heads` (routed to functional_ce) and of
+# :func:`~model_patches.loss.trl_heads.refuse_unrouted_trl_heads` (refusing): state that the records
+# (:mod:`model_patches.loss.trl_heads`) change and the unused-loss watch reads.
+# The live handles of each mode (a handle's id -> None, or its refusal). Read without a lock at
+# call time (one dict/len read); changed under the registry's handles only.
+ROUTED: dict[int, None] = {}
+REFUSALS: dict[int, Refusal] = {}
+
+
+def refusal(weight: Any = None) -> Optional[str]:
+    """While nothing routes, the message of the oldest refusal that concerns a kernel call
+    computing with the LM head weight ``weight``, else None."""
+    if ROUTED or not REFUSALS:
+        return None
+    for entry in list(REFUSALS.values()):  # a copy: a collected model may drop its entry meanwhile
+        if entry.concerns(weight):
+            return entry.message
+    return None
+
+
+def trl_heads_routed() -> bool:
+    """True while an :func:`enable_trl_heads` handle is active."""
+    return bool(ROUTED)
