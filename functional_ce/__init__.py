@@ -21,7 +21,8 @@ parallelism, FSDP2, pipeline ``loss_fn``). This package never imports ``transfor
 """
 
 from .chunk import chunk_backward, chunk_forward
-from .distributed.pipeline import hidden_state_loss_fn, pipeline_loss_fn
+from .distributed.pipeline import hidden_state_loss_fn as hidden_state_loss_fn  # deprecated, kept out of __all__
+from .distributed.pipeline import pipeline_loss_fn
 from .loss import cross_entropy, linear_cross_entropy
 from .modules import CrossEntropyLoss, LinearCrossEntropyLoss
 from .spec import LossSpec
