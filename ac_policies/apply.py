@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from patch_layer import Handle, forward_below, restore_forward, swap_forward, wrapped_forward
+from patch_layer import ForwardPatch, Handle, forward_below, swap_forward
 
 from .compile_compat import call_region, side_effect_allowance
 from .double_checkpointing import (
@@ -79,13 +79,14 @@ class PolicyHandle(Handle):
     :meth:`remove`, through this handle or another one for the same wrappers (from
     :func:`policy_of`). Removing twice is a no-op. If a wrapped module's ``forward`` was replaced
     after the policy wrapped it, the behaviour of every handle of this distribution applies
-    (:mod:`patch_layer.handle`): the wrapper is taken out from under that code when the code holds
+    (:class:`patch_layer.Handle`): the wrapper is taken out from under that code when the code holds
     it where it can be found (it then calls the module's own forward), else ``remove()`` raises
     ``ValueError`` and changes nothing.
     """
 
     def __init__(self, plan: Plan, wrappers: list["PolicyForward"], companions: Sequence[Handle] = ()) -> None:
-        super().__init__(companions)  # handles removed with the policy (Trainer's resume conversion)
+        # companions: handles removed with the policy (Trainer's resume conversion)
+        super().__init__(companions, forwards=[ForwardPatch.of(w.module, w) for w in wrappers])
         self.plan = plan
         self._wrappers = wrappers
 
@@ -94,18 +95,7 @@ class PolicyHandle(Handle):
         """True until :meth:`remove` succeeds (here or through another handle of the same wrappers)."""
         return not self._removed and any(not w.removed for w in self._wrappers)
 
-    def _check(self) -> None:
-        for w in self._wrappers:
-            try:
-                wrapped_forward(w.module, w)
-            except LookupError as exc:
-                raise self.refuse_wrapped(f"the forward of {w.row.fqn or '<root>'!r}", exc.args[0]) from None
-
     def _undo(self) -> None:
-        for w in reversed(self._wrappers):
-            if not w.removed:
-                restore_forward(w.module, w, w.previous)
-                w.removed = True
         logger.info("ac_policies: removed %d wrapper(s)", len(self._wrappers))
 
     def _describe(self) -> str:

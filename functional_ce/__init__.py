@@ -10,13 +10,13 @@ All take DTensors sharded over the vocabulary (tensor parallelism) and FSDP2-sha
 
 Layout: :mod:`~functional_ce.loss` and :mod:`~functional_ce.token_losses` (the public functions),
 :mod:`~functional_ce.modules` (the ``nn.Module`` forms), :mod:`~functional_ce.spec` and
-:mod:`~functional_ce.inputs` (the options, the per-token inputs and their checks),
+:mod:`~functional_ce.inputs` (the options, the per-token inputs and their checks, mean / sum / none),
 :mod:`~functional_ce.maths` (each loss's pure per-chunk maths), :mod:`~functional_ce.chunk` (the
 graphs torch.compile sees per chunk, and cross-entropy's ``chunk_forward`` / ``chunk_backward``),
 :mod:`~functional_ce.compiled_chunks` (the compile cache: one compiled graph per configuration),
-:mod:`~functional_ce.driver` (the loop over chunks), :mod:`~functional_ce.operators` (its custom
-operators), :mod:`~functional_ce.reduction` (mean / sum / none), :mod:`~functional_ce.weight_grad`
-(the fp32 weight-gradient accumulation), :mod:`~functional_ce.distributed` (vocabulary
+:mod:`~functional_ce.operators` (each step as a custom operator, and ``loss_rows``, the entry every
+loss calls), :mod:`~functional_ce.driver` (the loop over chunks and the fp32 weight-gradient
+accumulation), :mod:`~functional_ce.distributed` (vocabulary
 parallelism, FSDP2, pipeline ``loss_fn``). This package never imports ``transformers``.
 """
 

@@ -18,13 +18,15 @@ For a scalar reduction from hidden states on one slice, gradients are computed i
 (``fused``: each chunk's logits exist once; backward scales the saved gradients), unless
 ``recompute_logits_in_backward``. Each step is a custom operator with a fake kernel, so a user's
 ``torch.compile(fullgraph=True)`` sees one node per step: no graph break, no recompile per chunk.
-Operators take tensors plus the spec as one string; :func:`functional_ce.operators.custom_operator`
-registers them, and :mod:`functional_ce.reduction` reduces the per-row losses.
+Operators take tensors plus the spec as one string; :mod:`functional_ce.operators` registers this
+module's loops as those operators (with their backward formulas) and holds ``loss_rows``, the
+entry point; :func:`functional_ce.inputs.reduce_rows` reduces the per-row losses.
 
 **Adding a per-token loss over the vocabulary**: write its chunk functions in a module of
 :mod:`functional_ce.maths` (its statistics pass by pass, the kind of each statistic column, its
 per-row outputs and its gradient), add a :class:`~functional_ce.maths.LossMaths` entry (with its
-public names) to ``maths.LOSSES`` and its name to ``spec.LOSS_NAMES``, and call :func:`loss_rows`
+public names) to ``maths.LOSSES`` and its name to ``spec.LOSS_NAMES``, and call
+:func:`functional_ce.operators.loss_rows`
 from its public function with the spec :func:`functional_ce.inputs.make_spec` makes for it; a new
 option is a field of ``LossSpec``. Statistics combine across slices by their kind: ``"lse"`` (a
 logsumexp), ``"sum"`` (a target logit, a logit sum), ``"max"`` (a largest logit), ``"mean@j"`` (a mean under the slice's
@@ -35,51 +37,20 @@ it unchanged (token log-probs and distillation were added so).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, Optional, Sequence
+import logging
+from typing import Any, Optional, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from .chunk import backward_into, forward_into, linear_backward_chunk, linear_fused_chunk
+from .chunk import accumulate_into, backward_into, copy_into, forward_into, linear_backward_chunk, linear_fused_chunk
 from .compiled_chunks import run_chunk
-from .inputs import Tokens
+from .inputs import ValidRows
 from .maths import LOSSES
-from .operators import custom_operator, refuse_double_backward
-from .reduction import reduce_rows, row_coefficients
 from .spec import LossSpec, decode
-from .weight_grad import LinearGrads, empty_grads
+
+logger = logging.getLogger(__name__)
 
 _SixTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidRows:
-    """The rows that carry a loss (label != ignore_index), so ignored rows cost no matmul.
-
-    ``index`` is None when every row is valid (nothing is gathered then).
-    """
-
-    n: int
-    index: Optional[torch.Tensor]
-
-    @staticmethod
-    def of(labels: torch.Tensor, ignore_index: int) -> "ValidRows":
-        valid = labels != ignore_index
-        if bool(valid.all()):  # one host read-back per call (a sync on GPU)
-            return ValidRows(labels.shape[0], None)
-        return ValidRows(labels.shape[0], valid.nonzero().squeeze(1))
-
-    def take(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The valid rows of ``t`` ``[N, ...]``."""
-        return t if self.index is None or t is None else t.index_select(0, self.index)
-
-    def put(self, t: torch.Tensor) -> torch.Tensor:
-        """``[n_valid, ...]`` back to ``[N, ...]``, zeros on the ignored rows."""
-        if self.index is None:
-            return t
-        full = t.new_zeros((self.n, *t.shape[1:]))
-        return full.index_copy_(0, self.index, t)
 
 
 def _spans(n: int, spec: LossSpec):
@@ -92,7 +63,7 @@ def _spans(n: int, spec: LossSpec):
 # the teacher of a distillation loss; None otherwise).
 
 
-def _stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+def stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                 x2: Optional[torch.Tensor], weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
                 labels: torch.Tensor, prior: Optional[torch.Tensor], spec: str) -> torch.Tensor:
     """``[N, k]`` fp32 statistics of this vocabulary slice (pass ``spec.stats_pass``, given the
@@ -118,18 +89,15 @@ def _rows_of(t: Optional[torch.Tensor], r: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[r]
 
 
-def _stats_fake(x, weight, bias, x2, weight2, bias2, labels, prior, spec):
+def stats_fake(x, weight, bias, x2, weight2, bias2, labels, prior, spec):
     s = decode(spec)
     return x.new_empty((x.shape[0], LOSSES[s.loss].width(s)), dtype=torch.float32)
-
-
-_stats = custom_operator("stats", _stats_impl, _stats_fake)
 
 
 # --- step 3: rows, and their backward ----------------------------------------------------------
 
 
-def _logits_grad_into_impl(grad_rows: torch.Tensor, logits: torch.Tensor, logits2: Optional[torch.Tensor],
+def logits_grad_into_impl(grad_rows: torch.Tensor, logits: torch.Tensor, logits2: Optional[torch.Tensor],
                            labels: torch.Tensor, saved: torch.Tensor, out: torch.Tensor,
                            out2: Optional[torch.Tensor], spec: str) -> None:
     """Write the gradient of ``sum(grad_rows * loss_rows)`` w.r.t. ``logits`` ``[N, V]`` into
@@ -144,11 +112,7 @@ def _logits_grad_into_impl(grad_rows: torch.Tensor, logits: torch.Tensor, logits
                   grad_rows[r], row_args=(0, 1, 2, 3, 4, 5, 6))
 
 
-_logits_grad_into = custom_operator("logits_grad_into", _logits_grad_into_impl, lambda *args: None,
-                              mutates=("out", "out2"))
-
-
-def _linear_grads_impl(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+def linear_grads_impl(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                        bias: Optional[torch.Tensor], hidden2: Optional[torch.Tensor], weight2: Optional[torch.Tensor],
                        bias2: Optional[torch.Tensor], labels: torch.Tensor, saved: torch.Tensor, needs: list[bool],
                        spec: str) -> _SixTensors:
@@ -168,7 +132,7 @@ def _linear_grads_impl(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: to
 
 
 class _Grads:
-    """The :class:`~functional_ce.weight_grad.LinearGrads` of each input: six gradients in all,
+    """The :class:`LinearGrads` of each input: six gradients in all,
     the second input's three empty ``[0]`` when there is none or it gets no gradient."""
 
     def __init__(self, h, weight, bias, h2, weight2, bias2, needs: Sequence[bool], spec: LossSpec) -> None:
@@ -185,48 +149,14 @@ class _Grads:
         return tuple(g for head in self.heads for g in head.finish(rows)) + self.empty
 
 
-def _linear_grads_fake(g, hidden, weight, bias, hidden2, weight2, bias2, labels, saved, needs, spec):
+def linear_grads_fake(g, hidden, weight, bias, hidden2, weight2, bias2, labels, saved, needs, spec):
     out = empty_grads(hidden, weight, bias, needs[:3])
     if hidden2 is not None and decode(spec).teacher_grad:
         return out + empty_grads(hidden2, weight2, bias2, needs[3:])
     return out + tuple(weight.new_empty(0) for _ in range(3))
 
 
-_linear_grads = custom_operator("linear_grads", _linear_grads_impl, _linear_grads_fake)
-
-_INPUTS = ("x", "weight", "bias", "x2", "weight2", "bias2")
-
-
-def _rows_backward(saved: dict, spec: LossSpec, needs: dict, grad_rows: torch.Tensor) -> dict:
-    x, weight, bias, x2, weight2, bias2, labels, kept = (saved[n] for n in (*_INPUTS, "labels", "out1"))
-    inputs = (x, weight, bias, x2, weight2, bias2)
-    if spec.form == "logits":
-        want2 = x2 is not None and needs["x2"] and spec.teacher_grad
-        if not (needs["x"] or want2):
-            return {}
-        with torch.no_grad():
-            out = x if spec.inplace_grad else torch.empty_like(x, memory_format=torch.contiguous_format)
-            out2 = torch.empty_like(x2, memory_format=torch.contiguous_format) if want2 else None
-            if x.shape[1] > 0:  # an empty vocabulary slice has nothing to write
-                _logits_grad_into(grad_rows.float(), x, x2, labels, kept, out, out2, spec.encode())
-            elif out2 is not None:
-                out2.zero_()
-        grads = refuse_double_backward((out if needs["x"] else None, out2), (x, x2), spec)
-        return dict(zip(("x", "x2"), grads))
-    want = [t is not None and needs[n] for n, t in zip(_INPUTS, inputs)]
-    want[3:] = [w and spec.teacher_grad for w in want[3:]]
-    if not any(want):
-        return {}
-    with torch.no_grad():
-        if weight.shape[0] == 0:  # an empty vocabulary slice: no logits, no gradient
-            grads = tuple(None if t is None else torch.zeros_like(t) for t in inputs)
-        else:
-            grads = _linear_grads(grad_rows.float(), *inputs, labels, kept, want, spec.encode())
-    grads = tuple(g if w else None for g, w in zip(grads, want))
-    return dict(zip(_INPUTS, refuse_double_backward(grads, inputs, spec)))
-
-
-def _rows_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+def rows_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                x2: Optional[torch.Tensor], weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
                labels: torch.Tensor, stats: torch.Tensor, spec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_rows fp32 [N] or [N, m], saved fp32 [N, j])`` from the full-vocabulary statistics;
@@ -236,19 +166,16 @@ def _rows_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     return loss, saved.clone(memory_format=torch.contiguous_format)  # never a view of the input
 
 
-def _rows_fake(x, weight, bias, x2, weight2, bias2, labels, stats, spec):
+def rows_fake(x, weight, bias, x2, weight2, bias2, labels, stats, spec):
     s = decode(spec)
     loss, saved = LOSSES[s.loss].rows(stats, labels, s)
     return loss.new_empty(loss.shape), saved.new_empty(saved.shape)
 
 
-_rows = custom_operator("rows", _rows_impl, _rows_fake, backward=_rows_backward, save=(*_INPUTS, "labels", "out1"))
-
-
 # --- gradients in forward ----------------------------------------------------------------------
 
 
-def _fused_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def fused_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 hidden2: Optional[torch.Tensor], weight2: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
                 labels: torch.Tensor, coef: torch.Tensor, needs: list[bool], spec: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -270,87 +197,131 @@ def _fused_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return ((loss_rows * c).sum(), rows.put(loss_rows), *grads.finish(rows))
 
 
-def _fused_fake(hidden, weight, bias, hidden2, weight2, bias2, labels, coef, needs, spec):
+def fused_fake(hidden, weight, bias, hidden2, weight2, bias2, labels, coef, needs, spec):
     scalar, rows = hidden.new_empty((), dtype=torch.float32), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
-    return (scalar, rows, *_linear_grads_fake(None, hidden, weight, bias, hidden2, weight2, bias2, labels, None,
+    return (scalar, rows, *linear_grads_fake(None, hidden, weight, bias, hidden2, weight2, bias2, labels, None,
                                               needs, spec))
 
 
-_HEAD = ("hidden", "weight", "bias", "hidden2", "weight2", "bias2")
+# --- the hidden-state form's gradients, filled chunk by chunk ----------------------------------
+# Hidden-gradient rows in place; the weight and bias gradients accumulated in fp32 and returned in
+# their own dtype.
+
+#: Upper bound on the bytes of one low-precision weight-gradient partial (sliced over V).
+_PARTIAL_BYTES = 32 * 1024 * 1024
+
+#: ``(device type, dtype)`` -> whether the backend multiplies two matrices of that dtype into an
+#: fp32 output in one matmul (``aten::addmm.dtype_out``: CUDA in recent torch releases).
+_FP32_OUT_MATMUL: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _unit_scale(grad_loss: torch.Tensor) -> bool:
-    """Whether the loss's incoming gradient is exactly 1 and reading it costs nothing: a CPU scalar
-    outside tracing and functorch transforms (on an accelerator the read would wait for the device)."""
-    if grad_loss.device.type != "cpu" or grad_loss.numel() != 1 or torch.compiler.is_compiling():
-        return False
-    if torch._C._are_functorch_transforms_active() or is_fake(grad_loss):
-        return False
-    return bool(grad_loss == 1)
+def fp32_out_matmul_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``aten::addmm.dtype_out`` / ``aten::mm.dtype_out`` multiply ``dtype`` matrices into
+    an fp32 ``out`` on ``device``'s backend, correctly (checked once per backend and dtype on a
+    small case: ``+=`` into an fp32 ``out``, and ``=`` over an ``out`` full of NaN)."""
+    key = (device.type, dtype)
+    if key not in _FP32_OUT_MATMUL:
+        ok = False
+        try:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            a64 = torch.randn(24, 16, generator=g, dtype=torch.float64)
+            b64 = torch.randn(16, 8, generator=g, dtype=torch.float64)
+            a, b = a64.to(device=device, dtype=dtype), b64.to(device=device, dtype=dtype)
+            ref = a.double().cpu() @ b.double().cpu()
+            out = torch.full((24, 8), float("nan"), dtype=torch.float32, device=device)
+            torch.ops.aten.mm.dtype_out(a, b, torch.float32, out=out)
+            torch.ops.aten.addmm.dtype_out(out, a, b, torch.float32, out=out)
+            ok = bool(torch.allclose(out.double().cpu(), 2 * ref, rtol=1e-5, atol=1e-5))
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            logger.debug("no fp32-output %s matmul on %s: %s", dtype, device.type, exc)
+        _FP32_OUT_MATMUL[key] = ok
+    return _FP32_OUT_MATMUL[key]
 
 
-def _fused_backward(saved: dict, spec: LossSpec, needs: dict, grad_loss: torch.Tensor) -> dict:
-    computed = saved["needs"]
-    # ``loss.backward()`` sends 1: the gradients computed in forward are handed on as they are,
-    # not copied (a second [V, H] buffer for the weight's, while the saved one is alive). Autograd
-    # frees what it saved before the gradient reaches AccumulateGrad, which then takes the buffer
-    # as the parameter's .grad; with retain_graph=True it copies it instead, as for any gradient.
-    scale = None if _unit_scale(grad_loss) else grad_loss.float()
-    mul = (lambda t: t) if scale is None else (lambda t: t * scale)  # a 0-dim scale keeps each dtype
-    with torch.no_grad():
-        scaled = tuple(
-            mul(saved[f"out{i + 2}"]) if computed[i] and needs[name] else None
-            for i, name in enumerate(_HEAD)
-        )
-        grad_coef = mul(saved["out1"]) if needs["coef"] else None
-    grads = refuse_double_backward(scaled, tuple(saved[n] for n in _HEAD), spec)
-    return dict(zip(_HEAD, grads), coef=grad_coef)
+def add_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, hidden_c: torch.Tensor, spec: LossSpec, *,
+                    first: bool = False) -> None:
+    """``acc [V, H] fp32 += grad_logits.T @ hidden_c`` (``first``: ``=`` instead of ``+=``, so
+    ``acc`` may start uninitialised).
 
-
-def _fused_saves(named: dict) -> tuple[str, ...]:
-    """The loss rows and the computed gradients (the second input's only when it gets them: its
-    outputs are empty placeholders otherwise), the inputs and the flags."""
-    second = named["hidden2"] is not None and decode(named["spec"]).teacher_grad
-    return ("out1", "out2", "out3", "out4", *(("out5", "out6", "out7") if second else ()), *_HEAD, "needs")
-
-
-_fused = custom_operator("fused", _fused_impl, _fused_fake, backward=_fused_backward, save=_fused_saves)
-
-
-# --- the entry point ---------------------------------------------------------------------------
-
-
-def loss_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], tokens: Tokens,
-              spec: LossSpec, combine: Optional[Callable[[torch.Tensor, Sequence[str]], torch.Tensor]] = None,
-              second: Optional[tuple] = None) -> torch.Tensor:
-    """The loss of ``x`` ``[N, C]`` (logits, or hidden states with ``weight``/``bias``) reduced as
-    ``spec`` says: fp32, a scalar, ``tokens.batch_shape``, or ``[*batch_shape, m]`` for a loss
-    with ``m`` outputs per row.
-
-    ``second`` is the second input ``(x2, weight2, bias2)`` of a loss that reads two (the teacher
-    of a distillation loss; its gradient is computed when ``spec.teacher_grad``).
-    ``combine(stats [N, k], kinds)`` turns one vocabulary slice's statistics into the full
-    vocabulary's (vocabulary parallelism); None on one process.
+    fp32 inputs accumulate straight into ``acc``. Low-precision ones do too where the backend has
+    a matmul with an fp32 output (:func:`fp32_out_matmul_supported`: cuBLAS adds into ``acc`` in
+    the matmul's own epilogue). Elsewhere (CPU) they go through one low-precision partial, sliced
+    over V so it stays under ``_PARTIAL_BYTES``, folded into ``acc`` by a compiled one-pass kernel
+    (eager ``add_`` of a bf16 tensor into an fp32 one converts through a temporary first, several
+    times slower on CPU). ``spec`` gives the compile choice.
     """
-    x2, weight2, bias2 = (None, None, None) if second is None else second
-    encoded = spec.encode()
-    if spec.form == "hidden":
-        needs = [t is not None and t.requires_grad for t in (x, weight, bias, x2, weight2, bias2)]
-        needs[3:] = [n and spec.teacher_grad for n in needs[3:]]
-        fused = spec.reduction != "none" and not spec.recompute_logits_in_backward and combine is None
-        if fused and torch.is_grad_enabled() and any(needs):
-            coef = row_coefficients(tokens, spec)
-            return _fused(x, weight, bias, x2, weight2, bias2, tokens.labels, coef, needs, encoded)[0]
-    inputs = (x, weight, bias, x2, weight2, bias2)
-    detached = [None if t is None else t.detach() for t in inputs]
-    maths = LOSSES[spec.loss]
-    if combine is None:
-        stats = _stats(*detached, tokens.labels, None, encoded)
-    else:  # pass by pass, each combined across the vocabulary's shards before the next
-        stats = None
-        for i, kinds in enumerate(maths.kinds(spec)):
-            part = _stats(*detached, tokens.labels, stats, dataclasses.replace(spec, stats_pass=i).encode())
-            part = combine(part, kinds)
-            stats = part if stats is None else torch.cat([stats, part], dim=-1)
-    rows, _ = _rows(*inputs, tokens.labels, stats, encoded)
-    return reduce_rows(rows, tokens, spec)
+    if grad_logits.dtype == torch.float32:
+        acc.addmm_(grad_logits.t(), hidden_c, beta=0 if first else 1)  # beta=0 ignores acc, NaN included
+        return
+    if fp32_out_matmul_supported(acc.device, grad_logits.dtype):
+        if first:
+            torch.ops.aten.mm.dtype_out(grad_logits.t(), hidden_c, torch.float32, out=acc)
+        else:
+            torch.ops.aten.addmm.dtype_out(acc, grad_logits.t(), hidden_c, torch.float32, out=acc)
+        return
+    v, h = acc.shape
+    step = max(1, min(v, _PARTIAL_BYTES // max(1, h * grad_logits.element_size())))
+    partial = torch.empty((step, h), dtype=grad_logits.dtype, device=acc.device)
+    fold = copy_into if first else accumulate_into
+    for v0 in range(0, v, step):
+        v1 = min(v0 + step, v)
+        out = partial[: v1 - v0]
+        torch.mm(grad_logits[:, v0:v1].t(), hidden_c, out=out)
+        run_chunk(fold, spec, acc[v0:v1], out, row_args=(0, 1))
+
+
+class LinearGrads:
+    """The gradients of hidden, weight and bias, filled chunk by chunk.
+
+    A gradient that was not asked for is an empty ``[0]``.
+    """
+
+    def __init__(self, h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 needs: tuple[bool, bool, bool], spec: LossSpec) -> None:
+        need_hidden, need_weight, need_bias = needs
+        dev = h.device
+        self.weight, self.bias = weight, bias
+        self.grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if need_hidden else h.new_empty(0)
+        self.need_hidden = need_hidden
+        # written by the first chunk (no zero-fill pass); zeros if no chunk comes (every row ignored)
+        self.acc_w = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_weight else None
+        self.acc_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=dev) if need_bias else None
+        # the folds depend on no loss option: one compiled graph whatever the loss
+        self.fold_spec = LossSpec(compile_chunks=spec.compile_chunks)
+        self.chunks = 0
+
+    def add(self, start: int, h_c: torch.Tensor, grad_h_c: torch.Tensor, grad_logits: torch.Tensor) -> None:
+        """Fold one chunk in: ``grad_h_c [c, H]`` are rows ``start:start+c``; ``grad_logits [c, V]``."""
+        if self.need_hidden:
+            self.grad_h[start:start + h_c.shape[0]] = grad_h_c
+        if self.acc_w is not None:
+            add_weight_grad(self.acc_w, grad_logits, h_c, self.fold_spec, first=self.chunks == 0)
+        if self.acc_b is not None:
+            self.acc_b += grad_logits.sum(dim=0, dtype=torch.float32)
+        self.chunks += 1
+
+    def finish(self, rows: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(grad_hidden [N, H], grad_weight [V, H], grad_bias [V])``, ignored rows back as zeros
+        (``rows``: the driver's ``ValidRows``, which puts the valid rows back in place)."""
+        if self.acc_w is not None and self.chunks == 0:
+            self.acc_w.zero_()
+        grad_w = self.weight.new_empty(0) if self.acc_w is None else self.acc_w
+        if self.acc_w is not None and self.acc_w.dtype != self.weight.dtype:
+            # the final cast in one compiled pass too (eager .to() is slower on CPU)
+            grad_w = torch.empty(self.acc_w.shape, dtype=self.weight.dtype, device=self.acc_w.device)
+            run_chunk(copy_into, self.fold_spec, grad_w, self.acc_w, row_args=(0, 1))
+        self.acc_w = None
+        has_b = self.acc_b is not None and self.bias is not None
+        grad_b = self.acc_b.to(self.bias.dtype) if has_b else self.weight.new_empty(0)
+        grad_h = rows.put(self.grad_h) if self.need_hidden else self.grad_h
+        return grad_h, grad_w, grad_b
+
+
+def empty_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                needs: tuple[bool, bool, bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fake (shape-only) form of :meth:`LinearGrads.finish`."""
+    need_hidden, need_weight, need_bias = needs
+    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else hidden.new_empty(0)
+    grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_weight else weight.new_empty(0)
+    grad_b = bias.new_empty(bias.shape) if (need_bias and bias is not None) else weight.new_empty(0)
+    return grad_h, grad_w, grad_b

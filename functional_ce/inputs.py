@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -217,3 +217,74 @@ def make_spec(
     if mask is not None:
         labels1d = torch.where(mask.reshape(-1).bool(), labels1d, spec.ignore_index)
     return spec, Tokens(labels1d, batch_shape, weights, count)
+
+
+# --- which rows carry a loss, and how the rows reduce -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRows:
+    """The rows that carry a loss (label != ignore_index), so ignored rows cost no matmul.
+
+    ``index`` is None when every row is valid (nothing is gathered then).
+    """
+
+    n: int
+    index: Optional[torch.Tensor]
+
+    @staticmethod
+    def of(labels: torch.Tensor, ignore_index: int) -> "ValidRows":
+        valid = labels != ignore_index
+        if bool(valid.all()):  # one host read-back per call (a sync on GPU)
+            return ValidRows(labels.shape[0], None)
+        return ValidRows(labels.shape[0], valid.nonzero().squeeze(1))
+
+    def take(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The valid rows of ``t`` ``[N, ...]``."""
+        return t if self.index is None or t is None else t.index_select(0, self.index)
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """``[n_valid, ...]`` back to ``[N, ...]``, zeros on the ignored rows."""
+        if self.index is None:
+            return t
+        full = t.new_zeros((self.n, *t.shape[1:]))
+        return full.index_copy_(0, self.index, t)
+
+
+def _denominator(tokens: Tokens, spec: LossSpec) -> Union[float, torch.Tensor, None]:
+    """What the weighted sum is divided by: None for a plain sum."""
+    if tokens.num_label_tokens is not None:
+        return tokens.num_label_tokens
+    if spec.reduction == "mean":
+        return (tokens.labels != spec.ignore_index).sum()
+    return None
+
+
+def _divide(x: torch.Tensor, count: Union[float, torch.Tensor, None]) -> torch.Tensor:
+    """``x / count``, 0 where the count is 0."""
+    if count is None:
+        return x
+    if isinstance(count, torch.Tensor):
+        n = count.reshape(()).to(device=x.device, dtype=torch.float32)
+        return torch.where(n > 0, x / torch.where(n > 0, n, 1.0), 0.0)
+    return x / float(count) if count > 0 else x * 0.0
+
+
+def row_coefficients(tokens: Tokens, spec: LossSpec) -> torch.Tensor:
+    """``[N]`` fp32: each row's factor in the scalar loss (weight over denominator, 0 if ignored),
+    so that the reduction equals ``sum(coef * loss_rows)``."""
+    valid = (tokens.labels != spec.ignore_index).float()
+    if tokens.weights is not None:
+        valid = valid * tokens.weights.reshape(-1).float()
+    return _divide(valid, _denominator(tokens, spec))
+
+
+def reduce_rows(loss_rows: torch.Tensor, tokens: Tokens, spec: LossSpec) -> torch.Tensor:
+    """Weights, then the reduction, of fp32 per-row losses ``[N]`` (0 on ignored rows): ``"mean"``
+    divides the weighted sum by ``num_label_tokens`` when given, else by the number of valid
+    tokens; ``"sum"`` by ``num_label_tokens`` when given. A count of 0 gives 0."""
+    if tokens.weights is not None:
+        loss_rows = loss_rows * tokens.weights.reshape(-1).float()
+    if spec.reduction == "none":
+        return loss_rows.reshape((*tokens.batch_shape, *loss_rows.shape[1:]))
+    return _divide(loss_rows.sum(), _denominator(tokens, spec))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import driver
+from . import operators
 from .inputs import autocast_inputs, check_float, check_linear_inputs, make_spec
 from .spec import keyword_signature
 
@@ -92,7 +92,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, **options: Any) ->
         return vocab_parallel_loss("logits", logits, None, None, labels, options)
     spec, tokens = make_spec("logits", options, labels, batch_shape=logits.shape[:-1], n_classes=n_classes,
                              device=logits.device)
-    return driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
+    return operators.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
 
 
 def gathered_head(weight: Any, bias: Any) -> tuple:
@@ -178,7 +178,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, batch_shape=hidden.shape[:-1], n_classes=n_classes,
                              device=hidden.device)
-    return driver.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
+    return operators.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
 
 
 keyword_signature(cross_entropy, "logits")

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import driver
+from . import operators
 from .inputs import autocast_inputs, check_float, check_linear_inputs, make_spec
 from .loss import gathered_head, is_dtensor
 from .spec import keyword_signature
@@ -98,7 +98,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, **options: Any) -
     n_classes = logits.shape[-1]
     spec, tokens = make_spec("logits", options, labels, loss="token_logprobs", batch_shape=logits.shape[:-1],
                              n_classes=n_classes, device=logits.device)
-    rows = driver.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
+    rows = operators.loss_rows(logits.reshape(-1, n_classes), None, None, tokens, spec)
     return _split(rows, options)
 
 
@@ -140,7 +140,7 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     n_classes, width = weight.shape
     spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
                              n_classes=n_classes, device=hidden.device)
-    rows = driver.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
+    rows = operators.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
     return _split(rows, options)
 
 
@@ -203,7 +203,7 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
                              n_classes=n_classes, device=student_logits.device,
                              teacher_grad=teacher_logits.requires_grad)
     flat = [t.reshape(-1, n_classes) for t in (student_logits, teacher_logits)]
-    return driver.loss_rows(flat[0], None, None, tokens, spec, second=(flat[1], None, None))
+    return operators.loss_rows(flat[0], None, None, tokens, spec, second=(flat[1], None, None))
 
 
 def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor,
@@ -262,7 +262,7 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
                              n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
     second = (ht.reshape(n, ht.shape[-1]), wt, bt)
-    return driver.loss_rows(hs.reshape(n, hs.shape[-1]), ws, bs, tokens, spec, second=second)
+    return operators.loss_rows(hs.reshape(n, hs.shape[-1]), ws, bs, tokens, spec, second=second)
 
 
 keyword_signature(token_logprobs, "logits", loss="token_logprobs")

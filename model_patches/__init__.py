@@ -5,7 +5,7 @@
 - :mod:`model_patches.testing`: test tooling (the flash-attention double, the packing oracle,
   the family sweep, the tiny-model factory).
 - :mod:`model_patches.registry` (records, handles, status rows), :mod:`model_patches.arguments`
-  and :mod:`model_patches.probes` (reading calls, checking signatures) and
+  and :mod:`model_patches.targets` (reading calls, checking signatures) and
   :mod:`model_patches.targets` serve them all; every handle stands on :mod:`patch_layer`.
 
 The names below are imported on first use, so that ``import model_patches`` stays light; the

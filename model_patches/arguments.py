@@ -2,26 +2,17 @@
 
 A replacement must read and replace the arguments of a call by position or by keyword, under an
 old or a new name (``"cache"`` was ``"past_key_values"`` before Transformers 5.24):
-:func:`parameters` of a function; :func:`argument` reads one argument by name (aliases allowed);
+:func:`argument` reads one argument by name (aliases allowed; ``params`` from
+:func:`model_patches.targets.parameters`);
 :func:`mask_arguments` the first three of a Transformers mask function; :func:`with_arguments`
 returns the call with some arguments replaced.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
-__all__ = ["MASK_PARAMETERS", "parameters", "argument", "mask_arguments", "with_arguments"]
-
-#: The first three parameters of every Transformers mask function (4.53+; ``input_embeds`` in some).
-MASK_PARAMETERS = (["config", "inputs_embeds", "attention_mask"], ["config", "input_embeds", "attention_mask"])
-
-
-def parameters(fn: Any) -> list[str]:
-    """The parameter names of ``fn`` in order (``self`` included for a plain function)."""
-    return list(inspect.signature(fn).parameters)
-
+__all__ = ["argument", "mask_arguments", "with_arguments"]
 
 def argument(args: Sequence[Any], kwargs: dict[str, Any], params: Sequence[str], *names: str) -> Any:
     """The argument passed for the first of ``names`` (aliases of one parameter), else None.

@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .probes import parameters_probe
 from .registry import PatchHandle, PatchRecord, StatusTable, apply_records, is_applied, record_status
+from .targets import parameters_probe
 
 __all__ = ["RESUME_RECORDS", "enable_resume_conversion", "resume_conversion_status", "restore_checkpoint_layout"]
 

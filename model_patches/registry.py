@@ -33,8 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from patch_layer import AttributeLedger, AttributePatch, Handle, holder_of
-from patch_layer.handle import LOCK
+from patch_layer import LOCK, AttributeLedger, Handle
 
 __all__ = [
     "PatchRecord",
@@ -220,33 +219,9 @@ class PatchHandle(Handle):
 
     def __init__(self, targets: Sequence[str], rows: Sequence[StatusRow], what: str = "",
                  companions: Sequence[Handle] = ()) -> None:
-        super().__init__(companions)
-        self._targets = list(targets)
+        super().__init__(companions, ledger=LEDGER, targets=targets)
         self.rows: StatusTable = StatusTable(rows)  # what apply_records did, one row per record
         self._what = what
-
-    def _releasing(self) -> list[AttributePatch]:
-        """The patches whose last handle this is."""
-        return [p for t in self._targets if (p := LEDGER.get(t)) is not None and p.refcount == 1]
-
-    def _check(self) -> None:
-        for patch in self._releasing():
-            current = getattr(patch.owner, patch.attribute, None)
-            if not patch.live and holder_of(current, patch.replacement) is None:
-                raise self.refuse_wrapped(patch.target, current)
-
-    def _undo(self) -> None:
-        for target in reversed(self._targets):
-            patch = LEDGER.release(target)
-            if patch is None:
-                continue
-            current = getattr(patch.owner, patch.attribute, None)
-            if current is patch.replacement:
-                setattr(patch.owner, patch.attribute, patch.original)
-                logger.info("restored %s (%s)", target, patch.source.name)
-            else:  # the later code stays and now calls the original
-                holder_of(current, patch.replacement)(patch.original)
-                logger.info("unwrapped %s (%s) from under later code", target, patch.source.name)
 
     def _describe(self) -> str:
         return f"{self._what + ': ' if self._what else ''}{len(self._targets)} patches"

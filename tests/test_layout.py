@@ -25,24 +25,33 @@ def modules(root: pathlib.Path, packages=PACKAGES) -> dict[str, tuple[pathlib.Pa
     return found
 
 
+def imports_of(path: pathlib.Path, name: str, is_package: bool) -> list[tuple[str, list[str], bool]]:
+    """``(module, names, at module level)`` for every import statement of a file, relative ones resolved."""
+    here = name if is_package else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(n) for n in tree.body} | {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try))
+                                         for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.append((module, [alias.name for alias in node.names], id(node) in top))
+    return found
+
+
 def import_graph(found: dict[str, tuple[pathlib.Path, bool]]) -> dict[str, set[str]]:
     """Module -> the modules of ``found`` it imports (``from . import x`` names the submodule ``x``)."""
     graph = {}
     for name, (path, is_package) in found.items():
-        here = name if is_package else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = here.split(".")[: len(here.split(".")) - node.level + 1]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    module = node.module or ""
-                for alias in node.names:
-                    sub = f"{module}.{alias.name}"
-                    targets.add(sub if sub in found else module)
+        for module, names, _ in imports_of(path, name, is_package):
+            targets.update(f"{module}.{n}" if f"{module}.{n}" in found else module for n in names or [None])
         graph[name] = {t for t in targets if t in found and t != name}
     return graph
 
@@ -129,26 +138,6 @@ MAY_IMPORT = {
 }
 LATE_ONLY = {"ac_policies": {"model_patches", "transformers"}}
 OURS = set(MAY_IMPORT) | {"tests"}
-
-
-def imports_of(path: pathlib.Path, name: str, is_package: bool) -> list[tuple[str, list[str], bool]]:
-    """``(module, names, at module level)`` for every import statement of a file, relative ones resolved."""
-    here = name if is_package else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
-    top = {id(n) for n in tree.body} | {id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try))
-                                         for n in ast.walk(stmt)}
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, [], id(node) in top) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here.split(".")[: len(here.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            found.append((module, [alias.name for alias in node.names], id(node) in top))
-    return found
 
 
 def floor_violations(root: pathlib.Path) -> list[str]:

@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from .. import driver
+from .. import operators
 from ..inputs import make_spec
 
 LOGITS_LAYOUTS = (
@@ -276,7 +276,7 @@ def vocab_parallel_loss(form: str, x: DTensor, weight: object, bias: object, lab
                              device=x_local.device, row_classes=max(vocab.size, 1), vocab_start=vocab.start,
                              teacher_grad=teacher_grad)
     combine = functools.partial(combine_stats, vocab=vocab)
-    return replicate_result(driver.loss_rows(x_local, w, b, tokens, spec, combine, second=local2), vocab.mesh)
+    return replicate_result(operators.loss_rows(x_local, w, b, tokens, spec, combine, second=local2), vocab.mesh)
 
 
 _TOKEN_ARGS = ("mask", "weights", "num_label_tokens")

@@ -30,8 +30,8 @@ import functional_ce
 
 from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track
-from ..probes import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
+from ..targets import parameters_probe
 from .per_model_state import ReleaseWithModel
 from .trl_heads import refuse_unrouted_trl_heads
 from .unused_loss_watch import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, trainer_fused_head

@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import functional_ce
 from functional_ce.spec import ChunkSize
-from patch_layer import Handle, holder_of, restore_forward, wrapped_forward
+from patch_layer import ForwardPatch, Handle, holder_of
 
 from ..checkpoint_resume import enable_resume_conversion
 from ..model_handles import track, tracked
@@ -182,6 +182,11 @@ class HiddenStateLossForward:
         self.handle = HiddenStateLossHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
         track(model, self.handle)
 
+    @property
+    def previous(self) -> Any:
+        """The instance forward the patch replaced (None: the class's), as :class:`patch_layer.ForwardPatch` reads it."""
+        return self.own
+
     def below(self) -> Any:
         """What the patch calls outside its loss path: the forward it replaced."""
         return self.own if self.own is not None else types.MethodType(type(self.model).forward, self.model)
@@ -259,25 +264,9 @@ class HiddenStateLossHandle(Handle):
 
     def __init__(self, model: nn.Module, replacement: HiddenStateLossForward, companions: Sequence[Handle] = ()) -> None:
         # the call scope and watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
-        super().__init__([*companions, ReleaseWithModel(model, self)])
-        self._model, self._replacement = weakref.ref(model), weakref.ref(replacement)
+        super().__init__([*companions, ReleaseWithModel(model, self)], forwards=[ForwardPatch.of(model, replacement)])
+        self._model = weakref.ref(model)
         self._name = type(model).__name__
-
-    def _check(self) -> None:
-        model, replacement = self._model(), self._replacement()
-        if model is None or replacement is None:  # the model is gone, or nothing holds the patch any more
-            return
-        try:
-            wrapped_forward(model, replacement)
-        except LookupError as exc:
-            raise self.refuse_wrapped(f"{self._name}.forward", exc.args[0]) from None
-
-    def _undo(self) -> None:
-        model, replacement = self._model(), self._replacement()
-        if model is None or replacement is None:
-            return
-        if restore_forward(model, replacement, replacement.own):  # the later code now calls what this patch wrapped
-            logger.info("enable_hidden_state_loss: unwrapped from under %s", type(model.forward).__qualname__)
 
     def _describe(self) -> str:
         return f"{self._name}.forward" + ("" if self._model() is not None else " (model collected)")

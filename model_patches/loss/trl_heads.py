@@ -52,8 +52,8 @@ import torch.nn as nn
 from patch_layer import Handle
 
 from ..checkpoint_resume import enable_resume_conversion
-from ..probes import parameters_probe
 from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
+from ..targets import parameters_probe
 from .per_model_state import REFUSALS, ROUTED, ModelScope, Refusal, ReleaseWithModel, refusal, trl_heads_routed
 from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
 

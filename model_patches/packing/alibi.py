@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..probes import parameters_probe
+from ..targets import parameters_probe
 from .masks import document_ids, document_positions, reads_as_document_ids
 
 __all__ = ["ALIBI_NAME", "alibi_probe", "build_alibi"]

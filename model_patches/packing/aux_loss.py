@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from ..arguments import argument, parameters, with_arguments
-from ..probes import parameters_probe
+from ..arguments import argument, with_arguments
+from ..targets import parameters, parameters_probe
 from .masks import reads_as_document_ids
 
 __all__ = ["AUX_LOSS_NAME", "aux_loss_probe", "build_aux_loss"]

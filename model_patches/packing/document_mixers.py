@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..arguments import argument, parameters, with_arguments
-from ..probes import parameters_probe
+from ..arguments import argument, with_arguments
+from ..targets import parameters, parameters_probe
 from .masks import document_ids, reads_as_document_ids
 
 __all__ = ["mixer_probe", "build_mixer", "SegmentLayout", "segment_layout", "document_ids_from_cu_seqlens"]

@@ -24,9 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..arguments import argument, mask_arguments, parameters
-from ..probes import parameters_probe
-from ..targets import is_live
+from ..arguments import argument, mask_arguments
+from ..targets import is_live, parameters, parameters_probe
 from .coverage import capabilities_for_config
 from .masks import document_ids, document_positions, reads_as_document_ids, split_at_position_resets
 

@@ -40,9 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..arguments import argument, mask_arguments, parameters, with_arguments
-from ..probes import mask_arguments_probe
-from ..targets import is_live, unwrapped
+from ..arguments import argument, mask_arguments, with_arguments
+from ..targets import is_live, mask_arguments_probe, parameters, unwrapped
 from .coverage import capabilities_for_config
 from .guards import check_positions, refuse_packed_input
 from .masks import (

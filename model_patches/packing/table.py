@@ -50,9 +50,8 @@ import importlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from ..probes import mask_arguments_probe
 from ..registry import PatchRecord
-from ..targets import model_modules, unwrapped
+from ..targets import mask_arguments_probe, model_modules, unwrapped
 from .aux_loss import AUX_LOSS_NAME, aux_loss_probe, build_aux_loss
 from .coverage import CAPABILITIES, made_correct_targets
 from .guards import build_forward_guard, build_guard, build_recurrent_mask, forward_probe
@@ -206,7 +205,7 @@ def _family_module(family: str) -> str:
 def _mask_users(extra_modules: Sequence[str]) -> list[Fields]:
     mu = sys.modules.get(MU)
     stock = {unwrapped(getattr(mu, n, None)) for n in BUILDERS} if mu is not None else set()
-    discovered = model_modules(lambda ns: any(unwrapped(ns[n]) in stock for n in BUILDERS if n in ns)) if stock else []
+    discovered = model_modules(BUILDERS, stock) if stock else []
     modules = [_family_module(f) for f in COVERED_FAMILIES]
     modules += [m for m in [*discovered, *extra_modules] if m not in modules]
     return [{"module": MU, "attr": n} for n in BUILDERS] + [
@@ -230,7 +229,7 @@ def _moe(extra_modules: Sequence[str]) -> list[Fields]:
         return mod is not None and callable(vars(mod).get(AUX_LOSS_NAME))
 
     modules = [_family_module(f) for f in MOE_FAMILIES]
-    found = model_modules(lambda ns: callable(ns.get(AUX_LOSS_NAME)))
+    found = model_modules((AUX_LOSS_NAME,))
     modules += [m for m in [*found, *extra_modules] if m not in modules and defines(m)]
     return [{"module": m, "attr": AUX_LOSS_NAME} for m in modules]
 
@@ -240,7 +239,7 @@ def _recurrent(extra_modules: Sequence[str]) -> list[Fields]:
     if mu is None or not hasattr(mu, RECURRENT):
         return []
     stock = unwrapped(getattr(mu, RECURRENT))
-    holders = model_modules(lambda ns: RECURRENT in ns and unwrapped(ns[RECURRENT]) is stock)
+    holders = model_modules((RECURRENT,), {stock})
     return [{"module": m, "attr": RECURRENT} for m in [MU, *holders]]
 
 

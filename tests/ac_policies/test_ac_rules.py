@@ -278,7 +278,7 @@ def test_undo_refuses_when_forward_was_replaced_later():
 
 
 def test_undo_takes_the_policy_out_from_under_a_later_wrapper():
-    # the behaviour every handle shares (patch_layer.handle): a later wrapper that holds the policy's
+    # the behaviour every handle shares (patch_layer.Handle): a later wrapper that holds the policy's
     # forward in a closure stays installed and calls the module's own forward once the policy is removed
     torch.manual_seed(0)
     m = Toy()

@@ -103,7 +103,7 @@ def test_linear_bf16_on_cuda_matches_fp64(monkeypatch, recompute, fp32_out_matmu
     """Both weight-gradient accumulations (cuBLAS adding into the fp32 accumulator, and the bf16
     partial folded by a compiled kernel) give the fp64 reference's loss and gradients, over
     several chunks with ignored rows."""
-    from functional_ce import weight_grad as linear_ops
+    from functional_ce import driver as linear_ops
 
     key = ("cuda", torch.bfloat16)
     if fp32_out_matmul and not linear_ops.fp32_out_matmul_supported(torch.device("cuda"), torch.bfloat16):
