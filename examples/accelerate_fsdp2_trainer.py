@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     steps = 3 if args.tiny else 200
     model = tiny_model("llama", seed=0)
-    model_patches.enable_hidden_state_loss(model)  # the loss from hidden states: no [tokens, vocab] logits
+    model_patches.enable_linear_cross_entropy(model)  # the loss from hidden states: no [tokens, vocab] logits
     model_patches.enable_packing()  # packed documents never attend to each other
     apply_policy(model, "full")  # checkpoint every decoder layer
     rows = [{"input_ids": d} for d in documents(64, seed=0)]

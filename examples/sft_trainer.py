@@ -37,7 +37,7 @@ def main() -> None:
     docs = [{"input_ids": d} for d in documents(64, low=4, high=24)]
     with (
         model_patches.enable_packing(model=model),          # packed documents never see each other
-        model_patches.enable_hidden_state_loss(model),       # model(**batch, labels=...) without logits
+        model_patches.enable_linear_cross_entropy(model),       # model(**batch, labels=...) without logits
         ac_policies.apply_policy(model, "full"),             # recompute each decoder block in backward
         tempfile.TemporaryDirectory() as out,
     ):

@@ -76,7 +76,7 @@ def stats_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
         kinds = [k for ks in kinds for k in ks] if s.stats_pass < 0 else kinds[s.stats_pass]
         is_lse = torch.tensor([k in ("lse", "max") for k in kinds], device=x.device)
         return torch.where(is_lse, -torch.inf, 0.0).expand(x.shape[0], -1).contiguous()
-    rows = ValidRows.of(labels, s.ignore_index) if s.form == "hidden" else ValidRows(x.shape[0], None)
+    rows = ValidRows.of(labels, s.ignore_index) if s.form == "linear" else ValidRows(x.shape[0], None)
     h, h2, y, p = (rows.take(t) for t in (x, x2, labels, prior))
     out = torch.empty(h.shape[0], maths.width(s), dtype=torch.float32, device=x.device)
     for r in _spans(h.shape[0], s):

@@ -184,7 +184,7 @@ def make_spec(
 ) -> tuple[LossSpec, Tokens]:
     """Check a call's keyword ``options`` and per-token inputs; return its spec and tokens.
 
-    ``form`` is ``"logits"`` or ``"hidden"`` (it names the float input in messages); ``loss`` a
+    ``form`` is ``"logits"`` or ``"linear"`` (it names the float input in messages); ``loss`` a
     key of :data:`functional_ce.maths.LOSSES`; ``n_classes`` the full vocabulary size;
     ``row_classes`` the columns one chunk row holds (this process's slice under vocabulary
     parallelism, default ``n_classes``); ``vocab_start`` where that slice starts. ``labels`` may
@@ -195,7 +195,7 @@ def make_spec(
         # Functionalization would clone the logits and still destroy them: keep them instead
         # (documented; dynamo cannot trace a logging call here without a graph break).
         opts["inplace_grad"] = False
-    auto_rows, auto_bytes = linear_auto_chunk(device) if form == "hidden" else (None, None)
+    auto_rows, auto_bytes = linear_auto_chunk(device) if form == "linear" else (None, None)
     # a distillation chunk holds two [c, V] blocks of fp32 logits
     row_bytes = (n_classes if row_classes is None else row_classes) * 4 * (2 if loss == "distillation" else 1)
     fixed = {"reduction": "none"} if loss == "token_logprobs" else {}

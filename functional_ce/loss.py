@@ -173,13 +173,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     if is_dtensor(hidden):
         from .distributed.vocab import vocab_parallel_loss
 
-        return vocab_parallel_loss("hidden", hidden, weight, bias, labels, options)
+        return vocab_parallel_loss("linear", hidden, weight, bias, labels, options)
     weight, bias = gathered_head(weight, bias)
     n_classes, width = weight.shape
-    spec, tokens = make_spec("hidden", options, labels, batch_shape=hidden.shape[:-1], n_classes=n_classes,
+    spec, tokens = make_spec("linear", options, labels, batch_shape=hidden.shape[:-1], n_classes=n_classes,
                              device=hidden.device)
     return operators.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
 
 
 keyword_signature(cross_entropy, "logits")
-keyword_signature(linear_cross_entropy, "hidden")
+keyword_signature(linear_cross_entropy, "linear")

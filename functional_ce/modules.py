@@ -70,7 +70,7 @@ class LinearCrossEntropyLoss(_HeldOptions):
         loss = loss_fn(hidden, model.lm_head.weight, labels)
     """
 
-    _FORM = "hidden"
+    _FORM = "linear"
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -84,4 +84,4 @@ class LinearCrossEntropyLoss(_HeldOptions):
 
 
 keyword_signature(CrossEntropyLoss.__init__, "logits", batch=False)
-keyword_signature(LinearCrossEntropyLoss.__init__, "hidden", batch=False)
+keyword_signature(LinearCrossEntropyLoss.__init__, "linear", batch=False)

@@ -214,7 +214,7 @@ def loss_rows(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[to
     """
     x2, weight2, bias2 = (None, None, None) if second is None else second
     encoded = spec.encode()
-    if spec.form == "hidden":
+    if spec.form == "linear":
         needs = [t is not None and t.requires_grad for t in (x, weight, bias, x2, weight2, bias2)]
         needs[3:] = [n and spec.teacher_grad for n in needs[3:]]
         fused = spec.reduction != "none" and not spec.recompute_logits_in_backward and combine is None

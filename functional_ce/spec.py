@@ -38,7 +38,7 @@ LINEAR_AUTO_CHUNK_BYTES = 64 * 1024 * 1024
 LINEAR_AUTO_CHUNK_ROWS_CUDA = 2048
 LINEAR_AUTO_CHUNK_BYTES_CUDA = 1024 * 1024 * 1024
 
-FORMS = ("logits", "hidden")
+FORMS = ("logits", "linear")
 #: The per-token losses (keys of :data:`functional_ce.maths.LOSSES`).
 LOSS_NAMES = ("cross_entropy", "token_logprobs", "distillation")
 _REDUCTIONS = ("mean", "sum", "none")
@@ -158,7 +158,7 @@ class LossSpec:
 
     Filled in by the library:
         loss: which per-token loss (a key of :data:`functional_ce.maths.LOSSES`).
-        form: ``"logits"`` or ``"hidden"`` (logits ``hidden @ weight.T + bias``, built per chunk).
+        form: ``"logits"`` or ``"linear"`` (logits ``hidden @ weight.T + bias``, built per chunk).
         chunk_rows: token rows per chunk; 0 means all rows in one chunk.
         vocab_start: the class id of a chunk's first column (where this process's slice of a
             sharded vocabulary starts; 0 on one process).
@@ -175,7 +175,7 @@ class LossSpec:
     reduction: str = _option("mean", _one_of(*_REDUCTIONS), losses=(_CE, _KD), maths=False)
     compile_chunks: Optional[bool] = _option(None, _flag_or_none, maths=False)
     inplace_grad: bool = _option(False, _flag, forms=("logits",), losses=(_CE,), maths=False)
-    recompute_logits_in_backward: bool = _option(False, _flag, forms=("hidden",), losses=(_CE, _KD), maths=False)
+    recompute_logits_in_backward: bool = _option(False, _flag, forms=("linear",), losses=(_CE, _KD), maths=False)
     temperature: float = _option(1.0, _temperature, losses=(_LOGP, _KD))
     return_entropy: bool = _option(False, _flag, losses=(_LOGP,))
     logit_scale: float = _option(1.0, _finite, losses=(_LOGP, _KD))

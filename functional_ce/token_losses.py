@@ -134,11 +134,11 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden, weight, bias = autocast_inputs(hidden, weight, bias)
     check_linear_inputs(hidden, weight, bias)
     if is_dtensor(hidden):
-        rows = _vocab_parallel("hidden", hidden, weight, bias, labels, options, "token_logprobs")
+        rows = _vocab_parallel("linear", hidden, weight, bias, labels, options, "token_logprobs")
         return _split(rows, options)
     weight, bias = gathered_head(weight, bias)
     n_classes, width = weight.shape
-    spec, tokens = make_spec("hidden", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
+    spec, tokens = make_spec("linear", options, labels, loss="token_logprobs", batch_shape=hidden.shape[:-1],
                              n_classes=n_classes, device=hidden.device)
     rows = operators.loss_rows(hidden.reshape(-1, width), weight, bias, tokens, spec)
     return _split(rows, options)
@@ -255,17 +255,17 @@ def linear_distillation_loss(student_hidden: torch.Tensor, student_weight: torch
     _check_pair(hs, ht, "hidden states")
     teacher_grad = any(t is not None and t.requires_grad for t in (ht, wt, bt))
     if is_dtensor(hs):
-        return _vocab_parallel("hidden", hs, ws, bs, labels, options, "distillation", second=(ht, wt, bt),
+        return _vocab_parallel("linear", hs, ws, bs, labels, options, "distillation", second=(ht, wt, bt),
                                teacher_grad=teacher_grad)
     (ws, bs), (wt, bt) = gathered_head(ws, bs), gathered_head(wt, bt)
     n = math.prod(hs.shape[:-1])
-    spec, tokens = make_spec("hidden", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
+    spec, tokens = make_spec("linear", options, labels, loss="distillation", batch_shape=hs.shape[:-1],
                              n_classes=ws.shape[0], device=hs.device, teacher_grad=teacher_grad)
     second = (ht.reshape(n, ht.shape[-1]), wt, bt)
     return operators.loss_rows(hs.reshape(n, hs.shape[-1]), ws, bs, tokens, spec, second=second)
 
 
 keyword_signature(token_logprobs, "logits", loss="token_logprobs")
-keyword_signature(linear_token_logprobs, "hidden", loss="token_logprobs")
+keyword_signature(linear_token_logprobs, "linear", loss="token_logprobs")
 keyword_signature(distillation_loss, "logits", loss="distillation")
-keyword_signature(linear_distillation_loss, "hidden", loss="distillation")
+keyword_signature(linear_distillation_loss, "linear", loss="distillation")

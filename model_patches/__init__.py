@@ -13,12 +13,13 @@ The names below are imported on first use, so that ``import model_patches`` stay
 """
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpoint_resume import enable_resume_conversion, resume_conversion_status
     from .loss.chunked_loss import chunked_loss_status, enable_chunked_loss
-    from .loss.hidden_state_loss import HiddenStateLossHandle, causal_lm_loss, enable_hidden_state_loss
+    from .loss.linear_cross_entropy import LinearCrossEntropyHandle, causal_lm_loss, enable_linear_cross_entropy
     from .loss.token_losses import causal_lm_distillation_loss, causal_lm_token_logprobs
     from .loss.trl_heads import enable_trl_heads, trl_heads_status
     from .model_handles import handles
@@ -35,8 +36,8 @@ _LAZY: dict[str, str] = {
     # the loss path
     "enable_chunked_loss": "loss.chunked_loss",
     "chunked_loss_status": "loss.chunked_loss",
-    "causal_lm_loss": "loss.hidden_state_loss",
-    "enable_hidden_state_loss": "loss.hidden_state_loss",
+    "causal_lm_loss": "loss.linear_cross_entropy",
+    "enable_linear_cross_entropy": "loss.linear_cross_entropy",
     "causal_lm_token_logprobs": "loss.token_losses",
     "causal_lm_distillation_loss": "loss.token_losses",
     "enable_trl_heads": "loss.trl_heads",
@@ -47,7 +48,7 @@ _LAZY: dict[str, str] = {
     # what they return and raise
     "handles": "model_handles",
     "PatchHandle": "registry",
-    "HiddenStateLossHandle": "loss.hidden_state_loss",
+    "LinearCrossEntropyHandle": "loss.linear_cross_entropy",
     "StatusRow": "registry",
     "StatusTable": "registry",
     "PatchError": "registry",
@@ -55,10 +56,23 @@ _LAZY: dict[str, str] = {
 
 __all__: list[str] = sorted(_LAZY)
 
+#: Old name -> the name that replaced it; importable, with a DeprecationWarning, for one release.
+#: The hidden-state form has one name across the packages: ``linear``, as in
+#: ``functional_ce.linear_cross_entropy``.
+DEPRECATED: dict[str, str] = {
+    "enable_hidden_state_loss": "enable_linear_cross_entropy",
+    "HiddenStateLossHandle": "LinearCrossEntropyHandle",
+}
+
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    if name in DEPRECATED:
+        new = DEPRECATED[name]
+        warnings.warn(f"model_patches.{name} is deprecated and will be removed in the next release; use "
+                      f"model_patches.{new}", DeprecationWarning, stacklevel=2)
+        return __getattr__(new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -27,7 +27,7 @@ def modules_of(obj: Any) -> list[nn.Module]:
 
 def handles(obj: Any) -> list[Handle]:
     """The active handles of the patches that act on ``obj`` (a model, or anything whose attributes
-    hold one) or on a module inside it: :func:`~model_patches.enable_hidden_state_loss` and
+    hold one) or on a module inside it: :func:`~model_patches.enable_linear_cross_entropy` and
     :func:`~model_patches.enable_chunked_loss` with ``model=``.
 
     A deep copy or an unpickled copy of a model under the hidden-state loss has a patch of its own;

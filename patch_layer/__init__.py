@@ -39,20 +39,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from torch import nn
 
 __all__ = [
-    "Handle",
-    "ForwardPatch",
-    "WrappedByLaterCode",
-    "LOCK",
-    "AttributeLedger",
-    "AttributePatch",
-    "track",
-    "tracked",
-    "swap_forward",
-    "restore_forward",
-    "forward_below",
-    "wrapped_forward",
-    "holder_of",
-    "holding_cell",
+    "Handle", "ForwardPatch", "WrappedByLaterCode", "LOCK", "AttributeLedger", "AttributePatch", "track", "tracked",
+    "swap_forward", "restore_forward", "forward_below", "wrapped_forward", "holder_of", "holding_cell",
     "unwrap_from_under",
 ]
 
@@ -162,8 +150,8 @@ class Handle:
                 logger.info("unwrapped %s.forward from under later code", type(module).__name__)
             replacement.removed = True
 
-    def _undo(self) -> None:
-        """What the subclass undoes besides its attribute and forward patches (nothing here)."""
+    def _undo(self) -> None:  # what a subclass undoes besides its attribute and forward patches
+        pass
 
     def _describe(self) -> str:
         raise NotImplementedError

@@ -64,7 +64,7 @@ def test_page_code_blocks_run(page, monkeypatch, tmp_path):
 
 
 #: The enable functions whose patches outlive the call (a page may drop the handle, as users do).
-PATCHING = ("enable_packing", "enable_hidden_state_loss", "enable_chunked_loss", "enable_trl_heads")
+PATCHING = ("enable_packing", "enable_linear_cross_entropy", "enable_chunked_loss", "enable_trl_heads")
 
 
 def _keep_handles(monkeypatch) -> list:

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     p.add_argument("--policy", default="none", help="checkpointing preset (full, selective, non_moe, ...; default none)")
     p.add_argument("--loss", choices=["stock", "hidden_state"], default="stock",
-                   help="the model's own logits and loss, or model_patches.enable_hidden_state_loss")
+                   help="the model's own logits and loss, or model_patches.enable_linear_cross_entropy")
     p.add_argument("--fsdp", type=int, default=1, help="FSDP2 processes the parameters are sharded over (default 1)")
     p.add_argument("--budget", help="per-process memory to fit the step peak in, e.g. 80GB; prints the fitted table")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default: the config's, else fp32)")
@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logger.info("building %s on the meta device", args.config)
     model = build(args.config, args.dtype)
     if args.loss == "hidden_state":
-        model_patches.enable_hidden_state_loss(model)
+        model_patches.enable_linear_cross_entropy(model)
     vocab = model.config.get_text_config().vocab_size
     optimizer = None if args.optimizer.lower() == "none" else args.optimizer
 

@@ -66,7 +66,7 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
 
     Args:
         model: an ``nn.Module`` in training mode, with whatever policy (``apply_policy``) and loss
-            patches (``model_patches.enable_hidden_state_loss``) it will train with. Built on the
+            patches (``model_patches.enable_linear_cross_entropy``) it will train with. Built on the
             meta device at full size (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
             or with real weights: either way it is not modified (its parameters and buffers are
             replaced by fake copies for the run and put back after it).

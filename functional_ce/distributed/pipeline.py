@@ -37,7 +37,7 @@ def pipeline_loss_fn(head: nn.Linear, **options: Any) -> Callable[[torch.Tensor,
     """
     if not isinstance(head, nn.Linear):
         raise TypeError(f"head must be the LM head nn.Linear, got {type(head).__name__}")
-    check_keywords("hidden", options)
+    check_keywords("linear", options)
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(hidden, head.weight, target, bias=head.bias, **options)

@@ -244,7 +244,7 @@ def vocab_parallel_loss(form: str, x: DTensor, weight: object, bias: object, lab
                         second: Optional[tuple] = None, teacher_grad: bool = False) -> DTensor:
     """A loss of :mod:`functional_ce` (``loss``, a key of :data:`functional_ce.maths.LOSSES`) over a
     vocabulary sharded with DTensor: from logits (``form="logits"``, ``x`` a DTensor ``[..., V]``,
-    see :data:`LOGITS_LAYOUTS`) or from hidden states (``form="hidden"``, see :data:`WEIGHT_LAYOUTS`).
+    see :data:`LOGITS_LAYOUTS`) or from hidden states (``form="linear"``, see :data:`WEIGHT_LAYOUTS`).
 
     ``second`` is the teacher ``(x2, weight2, bias2)`` of a distillation loss, placed exactly as
     the student's inputs (its gradient is computed when ``teacher_grad``). ``labels``, ``mask``,

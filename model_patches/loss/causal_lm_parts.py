@@ -2,7 +2,7 @@
 decoder and ``lm_head`` (refusing heads whose logits are not ``lm_head(decoder(...))``, then
 soft-capping), the decoder's inputs and last hidden state, the shifted labels, and running a
 function inside a module's own call so that FSDP2's hooks run around it. Shared by
-:mod:`model_patches.loss.hidden_state_loss` and :mod:`model_patches.loss.token_losses`."""
+:mod:`model_patches.loss.linear_cross_entropy` and :mod:`model_patches.loss.token_losses`."""
 
 from __future__ import annotations
 

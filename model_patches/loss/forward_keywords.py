@@ -1,6 +1,6 @@
 """The keywords a causal-LM forward takes, for a patch that runs the decoder instead of it.
 
-:func:`model_patches.enable_hidden_state_loss` replaces a model's ``forward``; in its loss path it
+:func:`model_patches.enable_linear_cross_entropy` replaces a model's ``forward``; in its loss path it
 runs the decoder directly, so a keyword the model's own forward does not take belongs to code that
 path would skip (a wrapper below the patch, a trainer's fused head) and is refused by name
 (:func:`refuse_unknown_keywords`) rather than dropped.
@@ -56,7 +56,7 @@ def refuse_unknown_keywords(model: nn.Module, known: Optional[frozenset[str]], k
         if FUSED_HEAD_KEYWORD in unknown else ""
     )
     raise ValueError(
-        f"enable_hidden_state_loss: {type(model).__name__}(...) got keyword(s) {unknown} that its forward does not "
+        f"enable_linear_cross_entropy: {type(model).__name__}(...) got keyword(s) {unknown} that its forward does not "
         f"take{owner}. The hidden-state loss runs the decoder directly, so it would skip whatever code they are "
         "for. Remove them from the batch, or remove the patch (handle.remove()) if another wrapper needs them."
     )

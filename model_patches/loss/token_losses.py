@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 def _in_call(module: nn.Module, fn: Callable[[], Any], *, frozen: bool = False) -> Any:
     """``fn()``, inside ``module``'s own call when FSDP2 sharded it (see
-    :func:`model_patches.hidden_state_loss._inside_call`). ``frozen``: FSDP2's hooks run with
+    :func:`model_patches.loss.causal_lm_parts.inside_call`). ``frozen``: FSDP2's hooks run with
     gradients off (no backward hooks for ``module``) while ``fn`` keeps the caller's grad mode."""
     if not is_fsdp_module(module):
         return fn()

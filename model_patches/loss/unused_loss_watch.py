@@ -1,7 +1,7 @@
 """Whether a model's training step reached this library's loss: a trainer's own head is refused,
 any other bypass is reported once per model.
 
-The loss patches (:func:`model_patches.enable_hidden_state_loss`,
+The loss patches (:func:`model_patches.enable_linear_cross_entropy`,
 :func:`model_patches.enable_chunked_loss` with ``model=``) change what ``model(**batch,
 labels=...)`` computes. Code that computes the loss some other way makes them silently unused:
 TRL's trainers install their own fused LM head on the model (``add_fused_lm_head``) and call
@@ -80,7 +80,7 @@ class LossUseWatch(Handle):
 
     A copy of the model (``copy.deepcopy``, pickling) carries copies of the hooks, bound to a copy of
     the watch, which stays silent unless the patch it belongs to comes with the copy and adopts it
-    (:class:`~model_patches.loss.hidden_state_loss.HiddenStateLossForward` does): a patch that stays
+    (:class:`~model_patches.loss.linear_cross_entropy.LinearCrossEntropyForward` does): a patch that stays
     with the original (``enable_chunked_loss(model=...)``) leaves no watch on the copy that no
     handle could remove.
     """

@@ -24,7 +24,7 @@ SPECS = st.builds(
     compile_chunks=st.sampled_from([None, True, False]),
     inplace_grad=st.booleans(),
     recompute_logits_in_backward=st.booleans(),
-    form=st.sampled_from(["logits", "hidden"]),
+    form=st.sampled_from(["logits", "linear"]),
     chunk_rows=st.integers(0, 2**20),
     vocab_start=st.integers(0, 2**31),
     n_classes=st.none() | st.integers(1, 2**31),
@@ -51,12 +51,12 @@ def test_the_maths_projection_keeps_exactly_the_fields_the_chunk_maths_reads(spe
 
 
 @pytest.mark.parametrize("fn, form", [(functional_ce.cross_entropy, "logits"),
-                                      (functional_ce.linear_cross_entropy, "hidden")])
+                                      (functional_ce.linear_cross_entropy, "linear")])
 def test_each_signature_lists_its_keywords_with_their_defaults(fn, form):
     params = inspect.signature(fn).parameters
     common = {"ignore_index": -100, "mask": None, "weights": None, "reduction": "mean", "num_label_tokens": None,
               "label_smoothing": 0.0, "z_loss": 0.0, "softcap": None, "chunk_size": "auto", "compile_chunks": None}
-    own = {"logits": {"inplace_grad": False}, "hidden": {"recompute_logits_in_backward": False, "bias": None}}[form]
+    own = {"logits": {"inplace_grad": False}, "linear": {"recompute_logits_in_backward": False, "bias": None}}[form]
     for name, default in {**common, **own}.items():
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default == default, name
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

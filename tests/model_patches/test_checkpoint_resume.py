@@ -90,7 +90,7 @@ def test_every_patch_turns_the_conversion_on_and_takes_it_off_with_it():
 
     model = tiny_loss_model("llama")
     (before,) = live()
-    for enable in (model_patches.enable_packing, lambda: model_patches.enable_hidden_state_loss(model),
+    for enable in (model_patches.enable_packing, lambda: model_patches.enable_linear_cross_entropy(model),
                    model_patches.enable_chunked_loss, model_patches.enable_trl_heads,
                    lambda: ac_policies.apply_policy(model, "full")):
         handle = enable()

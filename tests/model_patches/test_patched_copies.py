@@ -23,7 +23,7 @@ import torch
 import ac_policies
 import model_patches
 from ac_policies.apply import PolicyForward
-from model_patches.loss.hidden_state_loss import HiddenStateLossForward
+from model_patches.loss.linear_cross_entropy import LinearCrossEntropyForward
 from tests.support.tiny_models import LOSS_VOCAB, tiny_loss_model
 
 #: (family, overrides): dense, tied embeddings (with Gemma 2's soft-capped head), MoE.
@@ -57,7 +57,7 @@ def _patched(name: str, loss: str | None, preset: str | None, policy_first: bool
     if policy_first:
         policy()
     if loss:
-        model_patches.enable_hidden_state_loss(model)
+        model_patches.enable_linear_cross_entropy(model)
     if not policy_first:
         policy()
     return model
@@ -84,7 +84,7 @@ def _check_patched_the_same_way(copy_: torch.nn.Module, loss: str | None, preset
         fwd = m.__dict__.get("forward")
         if isinstance(fwd, PolicyForward):
             assert fwd.module is m
-        if isinstance(fwd, HiddenStateLossForward):
+        if isinstance(fwd, LinearCrossEntropyForward):
             assert fwd.model is copy_ is m
 
 
@@ -129,12 +129,12 @@ def test_removing_either_model_handles_leaves_the_other_patched(name, loss, pres
         _check_patched_the_same_way(second, loss, preset)
         assert second(**batch).logits is None  # still the hidden-state loss
         # the first one takes its patches afresh, and the enable refuses the second twice
-        model_patches.enable_hidden_state_loss(first)
+        model_patches.enable_linear_cross_entropy(first)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
             ac_policies.apply_policy(first, preset)
         with pytest.raises(ValueError, match="already patched"):
-            model_patches.enable_hidden_state_loss(second)
+            model_patches.enable_linear_cross_entropy(second)
 
 
 def test_handles_of_anything_that_holds_a_model():
@@ -152,7 +152,7 @@ def test_a_copy_refuses_a_closure_under_the_patch_at_copy_time():
         original_forward = target.forward
         target.forward = lambda *a, **k: original_forward(*a, **k)  # code that calls the original
         if patch == "loss":
-            model_patches.enable_hidden_state_loss(model)
+            model_patches.enable_linear_cross_entropy(model)
         else:
             ac_policies.apply_policy(model, "full")
         with pytest.raises(TypeError, match="closure"):
@@ -167,7 +167,7 @@ def test_a_copy_refuses_a_closure_wrapped_on_top_of_the_patch():
     from accelerate.utils.operations import convert_outputs_to_fp32
 
     model = tiny_loss_model("llama")
-    model_patches.enable_hidden_state_loss(model)
+    model_patches.enable_linear_cross_entropy(model)
     model._original_forward = model.forward
     model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward))
     with pytest.raises(TypeError, match="installed on top of the patch.*closure"):

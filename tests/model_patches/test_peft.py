@@ -61,7 +61,7 @@ def counted(monkeypatch) -> dict[str, int]:
 def _apply(target: torch.nn.Module, patches: str, family: str) -> list:
     handles = []
     if patches in ("hidden_state_loss", "all"):
-        handles.append(model_patches.enable_hidden_state_loss(target))
+        handles.append(model_patches.enable_linear_cross_entropy(target))
     if patches in ("policy", "all"):
         handles.append(ac_policies.apply_policy(target, PRESET[family]))
     if patches == "chunked_loss":
@@ -171,7 +171,7 @@ def test_merge_and_unload_and_save_pretrained_give_stock_tensors(tmp_path):
 
     stock = _lora(tiny_loss_model("llama"))
     model = _lora(tiny_loss_model("llama"))
-    model_patches.enable_hidden_state_loss(model.get_base_model())
+    model_patches.enable_linear_cross_entropy(model.get_base_model())
     ac_policies.apply_policy(model, "full")
     model(**padded_batch()).loss.backward()  # the patched path ran (no step: the adapters stay stock's)
     stock.save_pretrained(tmp_path / "stock")
@@ -215,6 +215,6 @@ def test_sft_trainer_with_peft_config_gives_stock_peft_losses(tmp_path, counted)
             torch.testing.assert_close(p, stock_adapters[name], rtol=1e-5, atol=1e-6, msg=name)
 
     refused = tiny_loss_model("llama")
-    model_patches.enable_hidden_state_loss(refused)
+    model_patches.enable_linear_cross_entropy(refused)
     with pytest.raises(ValueError, match="enable_trl_heads"):
         trainer(refused, "refused").train()

@@ -193,3 +193,13 @@ def test_remove_unwraps_from_under_a_later_closure_wrapper_or_refuses(fake_modul
     fake_module.func = fake_module.func.wrapped
     handle.remove()
     assert fake_module.func is later  # what was there before the second patch
+
+
+def test_the_old_names_of_the_linear_form_warn_and_still_work() -> None:
+    import model_patches
+
+    for old, new in model_patches.DEPRECATED.items():
+        with pytest.warns(DeprecationWarning, match=f"model_patches.{new}"):
+            assert getattr(model_patches, old) is getattr(model_patches, new)
+        assert old not in model_patches.__all__ and new in model_patches.__all__
+    assert {"enable_linear_cross_entropy", "LinearCrossEntropyHandle"} <= set(dir(model_patches))

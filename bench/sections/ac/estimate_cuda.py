@@ -50,7 +50,7 @@ def check_case(family: str, policy: str, hidden_state: bool, seq: int,
 
     model = build(family, sizes).to(device="cuda", dtype=torch.bfloat16)
     step = make_step(model.config.vocab_size, seq)
-    handles = [model_patches.enable_hidden_state_loss(model)] if hidden_state else []
+    handles = [model_patches.enable_linear_cross_entropy(model)] if hidden_state else []
     if policy != "none":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)

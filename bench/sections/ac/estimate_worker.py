@@ -114,7 +114,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     model = build(spec["family"], spec["sizes"])
     step = make_step(model.config.vocab_size, spec["seq"])
     if spec["hidden_state"]:
-        model_patches.enable_hidden_state_loss(model)
+        model_patches.enable_linear_cross_entropy(model)
     policy = spec["policy"]
     table = ac_policies.fit(model, step, FIT_BUDGET, fake=True) if policy == "fit" else policy
     if table != "none":

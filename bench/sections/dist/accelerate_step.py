@@ -1,5 +1,5 @@
 """Peak memory of one training step per process under Accelerate's FSDP2, stock loss against
-``enable_hidden_state_loss``, 2 CPU processes (Accelerate's FSDP choice overridden on CPU as in
+``enable_linear_cross_entropy``, 2 CPU processes (Accelerate's FSDP choice overridden on CPU as in
 ``bench/harness/engines.py``). Resident-set peak above the resident set before the step.
 
     python -m bench.sections.dist.accelerate_step
@@ -25,7 +25,7 @@ def _step(mesh, patched: bool, vocab: int, tokens: int) -> dict:
     engines.reset_accelerate()
     model = tiny_loss_model("llama", vocab_size=vocab)
     if patched:
-        model_patches.enable_hidden_state_loss(model)
+        model_patches.enable_linear_cross_entropy(model)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
     with engines.accelerate_fsdp_on_cpu():

@@ -237,7 +237,7 @@ def plot(section: Section, out_dir: Path) -> list[Path]:
     for form, what in (("logits", "CE from logits"), ("hidden", "hidden-state CE")):
         data = section.data[form]
         sweep = data.get("sweep") or {}
-        sizes = {k: x for k, x in zip("NHV" if form == "hidden" else "NV", data["shape"]) if k != "N"}
+        sizes = {k: x for k, x in zip("NHV" if form == "linear" else "NV", data["shape"]) if k != "N"}
         paths += sweep_plots(sweep.get("by_n"), out_dir, stem=f"dist_{form}", what=f"vocabulary-parallel {what}",
                              sizes=sizes, details=[f"{sweep.get('world')} ranks", data["dtype"]], metrics=SWEEP_METRICS)
     return paths

@@ -8,7 +8,7 @@
   (``DataCollatorForLanguageModeling``: each step's documents one per row, padded to the longest);
   ``gradient_checkpointing`` as the variant says (TRL defaults it to on);
 - ``hidden_loss``: ``model_patches.enable_trl_heads()`` (TRL's head runs on
-  ``functional_ce.linear_token_logprobs``) plus ``enable_hidden_state_loss(model)``, which refuses
+  ``functional_ce.linear_token_logprobs``) plus ``enable_linear_cross_entropy(model)``, which refuses
   TRL's unrouted head (README, "With TRL"), applied by :mod:`bench.sections.train.worker`;
 - ``packing``: ``enable_packing(model=model)`` and the library's ``PackingCollator(row_len)`` as the
   trainer's ``data_collator``, over the same documents.
@@ -37,9 +37,9 @@ VARIANTS: dict[str, Variant] = {
 DESCRIPTIONS = {
     "sft": "trl.SFTTrainer as it comes (TRL's fused LM head, TRL's padding collator), gradient_checkpointing=False",
     "sft+hf_gc": "trl.SFTTrainer with its default gradient_checkpointing=True",
-    "sft:hidden_loss": "SFTTrainer with model_patches.enable_trl_heads() + enable_hidden_state_loss(model)",
+    "sft:hidden_loss": "SFTTrainer with model_patches.enable_trl_heads() + enable_linear_cross_entropy(model)",
     "sft:packing": "SFTTrainer with enable_packing(model=model) + data_collator=PackingCollator(row_len)",
-    "sft:all": "SFTTrainer with enable_trl_heads + enable_hidden_state_loss + PackingCollator + apply_policy('full')",
+    "sft:all": "SFTTrainer with enable_trl_heads + enable_linear_cross_entropy + PackingCollator + apply_policy('full')",
 }
 
 

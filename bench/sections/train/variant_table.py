@@ -48,14 +48,14 @@ MOE_ONLY = frozenset({"ac:non_moe"})
 DESCRIPTIONS = {
     "stock": "Transformers' own loss, padded batches, no checkpointing",
     "stock+hf_gc": "stock with TrainingArguments(gradient_checkpointing=True)",
-    "hidden_loss": "model_patches.enable_hidden_state_loss(model)",
-    "hidden_loss+hf_gc": "enable_hidden_state_loss(model) with TrainingArguments(gradient_checkpointing=True)",
+    "hidden_loss": "model_patches.enable_linear_cross_entropy(model)",
+    "hidden_loss+hf_gc": "enable_linear_cross_entropy(model) with TrainingArguments(gradient_checkpointing=True)",
     "ac:full": "ac_policies.apply_policy(model, 'full')",
     "ac:non_moe": "ac_policies.apply_policy(model, 'non_moe')",
     "ac:fit(0.5)": "ac_policies.fit(model, step, 0.5) on the first batch, then apply_policy",
     "packing": "enable_packing(model=model) + PackingCollator instead of padding",
-    "hidden_loss+ac:full": "enable_hidden_state_loss + apply_policy('full'), padded batches (all without packing)",
-    "all": "packing + enable_hidden_state_loss + apply_policy('full')",
+    "hidden_loss+ac:full": "enable_linear_cross_entropy + apply_policy('full'), padded batches (all without packing)",
+    "all": "packing + enable_linear_cross_entropy + apply_policy('full')",
     **SFT_DESCRIPTIONS,
 }
 #: Relative tolerance of a step's loss against stock's, by the dtype the run trains in.

@@ -8,7 +8,7 @@ prints the result as JSON. The spec (see :func:`run`):
 - ``model``, ``layers``, ``overrides`` (config values, e.g. tiny widths), ``seed``, ``device``,
   ``dtype`` (``"fp32"``; ``"bf16"`` runs ``Trainer(bf16=True)``: autocast over fp32 weights);
 - ``variant``: ``hf_gc`` (``TrainingArguments(gradient_checkpointing=True)``), ``hidden_loss``
-  (:func:`model_patches.enable_hidden_state_loss`), ``policy`` (a preset name for
+  (:func:`model_patches.enable_linear_cross_entropy`), ``policy`` (a preset name for
   :func:`ac_policies.apply_policy`), ``fit`` (a budget for :func:`ac_policies.fit` as a fraction
   of the peak without checkpointing, measured on the first batch; the policy it returns is
   applied), ``packing`` (:func:`model_patches.enable_packing` and ``PackingCollator`` instead of
@@ -89,7 +89,7 @@ def _apply_variant(model: torch.nn.Module, variant: Variant, first: dict[str, to
     elif variant.policy:
         out["handles"].append(ac_policies.apply_policy(model, variant.policy))
     if variant.hidden_loss:
-        out["handles"].append(model_patches.enable_hidden_state_loss(model))
+        out["handles"].append(model_patches.enable_linear_cross_entropy(model))
     return out
 
 

@@ -244,7 +244,7 @@ def test_any_subset_of_outputs_may_carry_the_gradient_on_any_batch_shape(pool, f
     """An entropy bonus alone, the log-probs alone, both, or neither (and the distillation loss
     with or without a gradient), on unbatched and batched tokens, over a vocabulary sharded on
     3 processes: the fp64 reference's values and gradients; no gradient where none flowed."""
-    cases = _upstream_cases(form, bias=form == "hidden")
+    cases = _upstream_cases(form, bias=form == "linear")
     if sequence_parallel:  # tokens sharded over their last dim; an unbatched sample has none
         cases = [dataclasses.replace(c, token_dim=len(c.batch_shape) - 1) for c in cases if c.batch_shape]
     per_rank = [r for r in pool.run(tasks.many, (3,), tasks.vocab_parallel_case, cases) if r is not None]

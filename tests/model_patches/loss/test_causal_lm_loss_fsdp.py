@@ -51,7 +51,7 @@ def test_fsdp2_gathers_as_the_model_own_forward_does(pool):
 
 
 def test_fsdp2_model_with_the_patched_forward(pool):
-    """``enable_hidden_state_loss`` on the sharded model: ``model(**batch, labels=...)`` runs the
+    """``enable_linear_cross_entropy`` on the sharded model: ``model(**batch, labels=...)`` runs the
     hidden-state loss inside FSDP2's own root call."""
     results = pool.run(fsdp_tasks.causal_lm_loss_step, (2,), "llama", True, False, "patched")
     assert not any(r["logits_built"] for r in results)

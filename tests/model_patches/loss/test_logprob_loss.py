@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model_patches
-from model_patches.loss.hidden_state_loss import VERIFIED_MODEL_TYPES
+from model_patches.loss.linear_cross_entropy import VERIFIED_MODEL_TYPES
 from tests.support.batches import grads, packed_batch, padded_batch
 from tests.support.reference import reference_generalized_jsd, reference_token_logprobs
 from tests.support.tiny_models import tiny_loss_model

@@ -1,7 +1,7 @@
 """The loss patches are used or refused, never silently bypassed, and stack with other code.
 
 TRL's trainers install their own fused LM head on the model and compute the loss with it, so
-``enable_hidden_state_loss`` and ``enable_chunked_loss`` are refused when that head is there
+``enable_linear_cross_entropy`` and ``enable_chunked_loss`` are refused when that head is there
 (at enable time) or asked for (at the first step); removing a patch from under TRL's head leaves
 training working; a keyword the loss path would skip is refused by name; any other training call
 with labels that does not reach the library's loss is reported once per model. Call counts of
@@ -19,7 +19,7 @@ import torch
 
 import functional_ce
 import model_patches
-from model_patches import enable_chunked_loss, enable_hidden_state_loss
+from model_patches import enable_chunked_loss, enable_linear_cross_entropy
 from tests.support.batches import padded_batch
 from tests.support.tiny_models import tiny_loss_model
 
@@ -50,7 +50,7 @@ def test_a_keyword_the_loss_path_would_skip_is_refused_by_name_and_passed_throug
 
     model.forward = forward_with_option
     batch = padded_batch()
-    with enable_hidden_state_loss(model):
+    with enable_linear_cross_entropy(model):
         with pytest.raises(ValueError, match=r"\['special_option'\]"):
             model(**batch, special_option=3)
         assert counted["linear_cross_entropy"] == 0
@@ -65,7 +65,7 @@ def test_a_keyword_the_loss_path_would_skip_is_refused_by_name_and_passed_throug
 def test_a_labelled_training_call_that_skips_the_loss_is_reported_once_per_model(counted):
     model, other = tiny_loss_model("llama"), tiny_loss_model("llama")
     batch = padded_batch()
-    handles = [enable_hidden_state_loss(model), enable_chunked_loss(model=other)]
+    handles = [enable_linear_cross_entropy(model), enable_chunked_loss(model=other)]
     try:
         patched = model.forward
         plain = type(model).forward.__get__(model)
@@ -75,7 +75,7 @@ def test_a_labelled_training_call_that_skips_the_loss_is_reported_once_per_model
             return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), kwargs["labels"][:, 1:].flatten())
 
         model.forward = own_loss
-        with pytest.warns(UserWarning, match="enable_hidden_state_loss.*without reaching"):
+        with pytest.warns(UserWarning, match="enable_linear_cross_entropy.*without reaching"):
             model(**batch)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -95,7 +95,7 @@ def test_remove_takes_the_patch_out_from_under_a_closure_wrapper():
     batch = padded_batch()
     with torch.no_grad():
         expected = model(**batch).logits
-    handle = enable_hidden_state_loss(model)
+    handle = enable_linear_cross_entropy(model)
     below = model.forward
     calls = []
 
@@ -111,7 +111,7 @@ def test_remove_takes_the_patch_out_from_under_a_closure_wrapper():
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).logits, expected)
 
-    held = enable_hidden_state_loss(model)
+    held = enable_linear_cross_entropy(model)
     patched = model.forward
     model.forward = types.SimpleNamespace(patched=patched)  # holds the patch some other way
     with pytest.raises(ValueError, match="cannot be unwrapped"):
@@ -131,7 +131,7 @@ def test_remove_after_trainer_bf16_takes_the_patch_out_from_under_accelerate_aut
     from bench.harness.trainers import token_rows
 
     model = tiny_loss_model("llama")
-    handle = enable_hidden_state_loss(model)
+    handle = enable_linear_cross_entropy(model)
     patched = model.forward
     rows = [{"input_ids": r, "labels": list(r)} for r in token_rows(4, 16)]
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
@@ -174,11 +174,11 @@ def test_hidden_state_loss_under_sft_trainer_is_refused_in_either_order(tmp_path
     late = tiny_loss_model("llama")
     trainer = _sft(late, tmp_path, rows, "late")
     with pytest.raises(ValueError, match="TRL's fused LM head.*enable_trl_heads"):
-        enable_hidden_state_loss(late)
+        enable_linear_cross_entropy(late)
     assert logged_losses(trainer) == pytest.approx(plain, rel=1e-5)  # refused: nothing was changed
 
     early = tiny_loss_model("llama")
-    handle = enable_hidden_state_loss(early)
+    handle = enable_linear_cross_entropy(early)
     trainer = _sft(early, tmp_path, rows, "early")
     with pytest.raises(ValueError, match="fused_lm_head=True.*enable_trl_heads"):
         trainer.train()
@@ -269,7 +269,7 @@ def test_grpo_trainer_routes_its_head_refuses_the_hidden_state_loss_and_generate
     model = tiny_loss_model("llama")
     _grpo(model, tmp_path / "refused")  # installs TRL's head
     with pytest.raises(ValueError, match="TRL's fused LM head.*enable_trl_heads"):
-        enable_hidden_state_loss(model)
+        enable_linear_cross_entropy(model)
 
 
 def test_packing_collator_under_sft_trainer_is_refused_without_the_patch_and_trains_with_it(tmp_path, rows,
@@ -326,6 +326,6 @@ def test_distillation_trainer_routes_its_divergence_and_refuses_the_hidden_state
     assert routed == [pytest.approx(row, rel=1e-5, abs=1e-6) for row in plain]
 
     student = tiny_loss_model("llama")
-    with enable_hidden_state_loss(student):
-        with pytest.raises(ValueError, match="enable_hidden_state_loss is active.*enable_trl_heads"):
+    with enable_linear_cross_entropy(student):
+        with pytest.raises(ValueError, match="enable_linear_cross_entropy is active.*enable_trl_heads"):
             _distillation(student, tmp_path / "refused").train()

@@ -50,7 +50,7 @@ def _apply(model: torch.nn.Module, patches: tuple[str, ...], stack: contextlib.E
 
     for name in patches:
         if name == "hidden_state_loss":
-            model_patches.enable_hidden_state_loss(model)
+            model_patches.enable_linear_cross_entropy(model)
         elif name == "chunked_loss":
             stack.callback(model_patches.enable_chunked_loss(model=model).remove)
         elif name == "trl_heads":

@@ -32,7 +32,7 @@ def _patched(model: torch.nn.Module, patch: str) -> contextlib.ExitStack:
     if patch == "packing":
         stack.enter_context(model_patches.enable_packing())
     elif patch == "hidden_state_loss":
-        stack.enter_context(model_patches.enable_hidden_state_loss(model))
+        stack.enter_context(model_patches.enable_linear_cross_entropy(model))
     elif patch == "policy":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)

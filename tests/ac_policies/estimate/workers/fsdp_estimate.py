@@ -54,7 +54,7 @@ def prepared_model(family: str, policy: Any, hidden_state: bool, **overrides: An
 
     model = tiny_ac_model(family, **overrides)
     if hidden_state:
-        model_patches.enable_hidden_state_loss(model)
+        model_patches.enable_linear_cross_entropy(model)
     if policy != "none":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)

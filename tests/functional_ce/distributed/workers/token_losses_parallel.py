@@ -26,7 +26,7 @@ from tests.support.reference import reference_generalized_jsd, reference_token_l
 @dataclasses.dataclass
 class TokenCase:
     """A token log-prob or distillation call: ``loss`` ``"logprobs"`` or ``"distillation"``, from
-    ``form`` ``"logits"`` or ``"hidden"``, with the vocabulary sharded on ``mesh_dim``.
+    ``form`` ``"logits"`` or ``"linear"``, with the vocabulary sharded on ``mesh_dim``.
 
     ``token_dim``: hidden states sequence-parallel over that token dim (None: ``Replicate()``);
     ``teacher_h``: the teacher's hidden size; ``teacher_grad``: the teacher requires grad;

@@ -40,11 +40,11 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
     """One step of a ``fully_shard`` model on this rank's batch: ``causal_lm_loss`` when
-    ``use_library`` is True, ``model(**batch).loss`` with ``enable_hidden_state_loss`` when it is
+    ``use_library`` is True, ``model(**batch).loss`` with ``enable_linear_cross_entropy`` when it is
     ``"patched"``, else ``model(**batch).loss``."""
     from torch.distributed.tensor import DTensor
 
-    from model_patches import causal_lm_loss, enable_hidden_state_loss
+    from model_patches import causal_lm_loss, enable_linear_cross_entropy
 
     if mesh is None:
         return None
@@ -52,7 +52,7 @@ def causal_lm_loss_step(mesh, model_type, tied, shard_head, use_library):
     reference = copy.deepcopy(model)
     _shard(model, mesh, shard_head)
     if use_library == "patched":
-        enable_hidden_state_loss(model)
+        enable_linear_cross_entropy(model)
     world, rank = dist.get_world_size(), dist.get_rank()
     batch = padded_batch(seed=100 + rank)
     with CommBytes() as fwd:

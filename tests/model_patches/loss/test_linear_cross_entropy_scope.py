@@ -4,7 +4,7 @@ model, never for another, and a model that is gone takes its patch's global stat
 The user story: a refused ``SFTTrainer`` run on model A with a loss patch, the handle never
 removed, then a plain ``SFTTrainer`` run of another model B in the same process. B must train
 exactly as stock TRL does (same losses as a stock run of the same B), whether A and its handle
-were dropped and collected or are still alive. The same for ``enable_hidden_state_loss(model)``
+were dropped and collected or are still alive. The same for ``enable_linear_cross_entropy(model)``
 and ``enable_chunked_loss(model=...)``; ``enable_chunked_loss()`` without a model is
 process-wide and refuses every TRL run while its handle is active (tested in
 test_loss_in_trainers.py).
@@ -25,7 +25,7 @@ import trl.trainer.utils as trl_utils  # noqa: E402
 
 import model_patches  # noqa: E402
 from bench.harness.trainers import logged_losses, sft_trainer, token_rows  # noqa: E402
-from model_patches import enable_chunked_loss, enable_hidden_state_loss  # noqa: E402
+from model_patches import enable_chunked_loss, enable_linear_cross_entropy  # noqa: E402
 from tests.support.tiny_models import tiny_loss_model  # noqa: E402
 
 TRL_HEAD = trl_utils._ChunkedLogProbFunction
@@ -33,12 +33,12 @@ TRL_DIVERGENCE = distillation_module._chunked_divergence_loss
 
 #: The per-model loss patches: name -> enable on a model (returns the handle).
 PATCHES = {
-    "hidden_state_loss": lambda model: enable_hidden_state_loss(model),
+    "hidden_state_loss": lambda model: enable_linear_cross_entropy(model),
     "chunked_loss": lambda model: enable_chunked_loss(model=model),
 }
 #: What the refused run of model A says, per patch.
 REFUSALS = {
-    "hidden_state_loss": "enable_hidden_state_loss is active on LlamaForCausalLM.*enable_trl_heads",
+    "hidden_state_loss": "enable_linear_cross_entropy is active on LlamaForCausalLM.*enable_trl_heads",
     "chunked_loss": "enable_chunked_loss is active on LlamaForCausalLM.*enable_trl_heads",
 }
 

@@ -59,15 +59,15 @@ from .unused_loss_watch import TRAINER_HEAD_FIX, LossUseWatch, loss_reached, tra
 
 __all__ = [
     "VERIFIED_MODEL_TYPES",
-    "HiddenStateLossForward",
-    "HiddenStateLossHandle",
+    "LinearCrossEntropyForward",
+    "LinearCrossEntropyHandle",
     "causal_lm_loss",
-    "enable_hidden_state_loss",
+    "enable_linear_cross_entropy",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Set while the forward patched by :func:`enable_hidden_state_loss` runs: the model's own call
+#: Set while the forward patched by :func:`enable_linear_cross_entropy` runs: the model's own call
 #: (and its FSDP2 hooks) is already under way, so :func:`causal_lm_loss` must not call it again.
 _IN_MODEL_CALL = threading.local()
 
@@ -148,8 +148,8 @@ def _loss_from_decoder(
     return inside_call(head, head_loss) if is_fsdp_module(head) else head_loss()
 
 
-class HiddenStateLossForward:
-    """The instance ``forward`` that :func:`enable_hidden_state_loss` installs: the loss from hidden
+class LinearCrossEntropyForward:
+    """The instance ``forward`` that :func:`enable_linear_cross_entropy` installs: the loss from hidden
     states in training calls with labels, the forward it replaced otherwise.
 
     It is an object that belongs to its model, not a closure over it: ``copy.deepcopy`` of the model
@@ -175,11 +175,11 @@ class HiddenStateLossForward:
         self._signature: Optional[inspect.Signature] = None
         self._known: Optional[frozenset] = None
         refusal = refuse_unrouted_trl_heads(
-            f"enable_hidden_state_loss is active on {type(model).__name__}, but TRL's fused kernel is computing a "
+            f"enable_linear_cross_entropy is active on {type(model).__name__}, but TRL's fused kernel is computing a "
             f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
             model=model, scope=scope,
         )
-        self.handle = HiddenStateLossHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
+        self.handle = LinearCrossEntropyHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
         track(model, self.handle)
 
     @property
@@ -232,7 +232,7 @@ class HiddenStateLossForward:
             shared = isinstance(function, types.FunctionType) and bool(function.__closure__)
             if shared and (fn is self.own or holder_of(fn, self) is not None):
                 raise TypeError(
-                    f"{type(self.model).__name__} cannot be copied with enable_hidden_state_loss on it: the forward "
+                    f"{type(self.model).__name__} cannot be copied with enable_linear_cross_entropy on it: the forward "
                     f"{where} ({function.__qualname__}) is a closure, which a copy would share with the original "
                     "and so run the original's weights (Accelerate's mixed-precision wrapper, which Trainer installs "
                     "at train(), is one). Copy the model before that code wraps it, or remove the patch "
@@ -244,11 +244,11 @@ class HiddenStateLossForward:
         self.__init__(**state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
-        return f"<HiddenStateLossForward of {type(self.model).__name__}>"
+        return f"<LinearCrossEntropyForward of {type(self.model).__name__}>"
 
 
-class HiddenStateLossHandle(Handle):
-    """Undo handle of :func:`enable_hidden_state_loss`; also a context manager.
+class LinearCrossEntropyHandle(Handle):
+    """Undo handle of :func:`enable_linear_cross_entropy`; also a context manager.
 
     Removing twice is a no-op. If the model's ``forward`` was replaced after the patch (a
     trainer or another library wrapping it, such as TRL's fused head or Accelerate's mixed
@@ -262,7 +262,7 @@ class HiddenStateLossHandle(Handle):
     A copy of the model has a handle of its own (:func:`model_patches.handles`).
     """
 
-    def __init__(self, model: nn.Module, replacement: HiddenStateLossForward, companions: Sequence[Handle] = ()) -> None:
+    def __init__(self, model: nn.Module, replacement: LinearCrossEntropyForward, companions: Sequence[Handle] = ()) -> None:
         # the call scope and watch and the TRL-head refusal, removed with the patch, and the removal when the model is collected
         super().__init__([*companions, ReleaseWithModel(model, self)], forwards=[ForwardPatch.of(model, replacement)])
         self._model = weakref.ref(model)
@@ -272,9 +272,9 @@ class HiddenStateLossHandle(Handle):
         return f"{self._name}.forward" + ("" if self._model() is not None else " (model collected)")
 
 
-def enable_hidden_state_loss(
+def enable_linear_cross_entropy(
     model: nn.Module, *, chunk_size: ChunkSize = "auto", compile_chunks: Optional[bool] = None
-) -> HiddenStateLossHandle:
+) -> LinearCrossEntropyHandle:
     """Make ``model(**batch, labels=...)`` compute its loss with :func:`causal_lm_loss` while training.
 
     While the model is in training mode with gradients enabled and the call carries ``labels`` or
@@ -312,20 +312,20 @@ def enable_hidden_state_loss(
             config asks for router auxiliary losses, one already patched, or one whose loss a
             trainer's fused head computes.
     """
-    head_and_decoder(model, "enable_hidden_state_loss")
+    head_and_decoder(model, "enable_linear_cross_entropy")
     if getattr(model.config, "output_router_logits", False):
         refuse(model, "config.output_router_logits is on, so its loss would include the router auxiliary "
                 "loss, which this function does not add", "Set config.output_router_logits=False")
-    if any(isinstance(h, HiddenStateLossHandle) for h in tracked(model)):
-        raise ValueError(f"enable_hidden_state_loss: {type(model).__name__} is already patched; remove that "
+    if any(isinstance(h, LinearCrossEntropyHandle) for h in tracked(model)):
+        raise ValueError(f"enable_linear_cross_entropy: {type(model).__name__} is already patched; remove that "
                          "handle first (model_patches.handles(model) finds it)")
     head = trainer_fused_head(model)
     if head is not None:
         refuse(model, f"{head} is installed on it and computes its training loss from the decoder's hidden "
-                "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_hidden_state_loss")
-    forward = HiddenStateLossForward(
+                "states itself, so this patch would never run", TRAINER_HEAD_FIX, "enable_linear_cross_entropy")
+    forward = LinearCrossEntropyForward(
         model, dict(chunk_size=chunk_size, compile_chunks=compile_chunks), model.__dict__.get("forward"),
-        ModelScope(model), LossUseWatch(model, "enable_hidden_state_loss", TRAINER_HEAD_FIX),
+        ModelScope(model), LossUseWatch(model, "enable_linear_cross_entropy", TRAINER_HEAD_FIX),
     )
     model.forward = forward
     return forward.handle

@@ -1,4 +1,4 @@
-"""``model_patches.enable_hidden_state_loss``: ``model(**batch, labels=...)`` through the
+"""``model_patches.enable_linear_cross_entropy``: ``model(**batch, labels=...)`` through the
 hidden-state loss while training, the model's own forward otherwise, and Hugging Face
 ``Trainer`` giving the same losses and weights with and without it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_patches import enable_hidden_state_loss
+from model_patches import enable_linear_cross_entropy
 from tests.support.batches import padded_batch
 from tests.support.tiny_models import LOSS_VOCAB, tiny_loss_model
 
@@ -16,7 +16,7 @@ def test_training_call_with_labels_returns_the_loss_without_logits():
     model = tiny_loss_model("llama")
     batch = padded_batch()
     expected = model(**batch).loss
-    with enable_hidden_state_loss(model) as handle:
+    with enable_linear_cross_entropy(model) as handle:
         out = model(**batch)
         assert out.logits is None
         torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
@@ -41,7 +41,7 @@ def test_gradients_equal_the_model_own_loss():
     model(**batch, num_items_in_batch=17).loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    with enable_hidden_state_loss(model):
+    with enable_linear_cross_entropy(model):
         model(**batch, num_items_in_batch=17).loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -49,21 +49,21 @@ def test_gradients_equal_the_model_own_loss():
 
 def test_unsupported_models_and_double_patching_are_refused():
     with pytest.raises(ValueError, match="logit"):
-        enable_hidden_state_loss(tiny_loss_model("cohere", logit_scale=0.5))
+        enable_linear_cross_entropy(tiny_loss_model("cohere", logit_scale=0.5))
     model = tiny_loss_model("llama")
-    handle = enable_hidden_state_loss(model)
+    handle = enable_linear_cross_entropy(model)
     with pytest.raises(ValueError, match="already patched"):
-        enable_hidden_state_loss(model)
+        enable_linear_cross_entropy(model)
     handle.remove()
     handle.remove()  # a no-op
-    enable_hidden_state_loss(model).remove()
+    enable_linear_cross_entropy(model).remove()
 
 
 def _train(patched: bool, out_dir) -> tuple[list[float], dict[str, torch.Tensor], bool]:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     model = tiny_loss_model("llama")
-    handle = enable_hidden_state_loss(model) if patched else None
+    handle = enable_linear_cross_entropy(model) if patched else None
     rows = []
     for i in range(8):
         b = padded_batch(seed=10 + i, b=1, t=12)
