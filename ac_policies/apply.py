@@ -33,7 +33,6 @@ import copy
 import functools
 import inspect
 import logging
-import sys
 import threading
 import types
 import warnings
@@ -58,6 +57,7 @@ from .double_checkpointing import (
 from .kv_cache import cache_safe, has_cache
 from .offload import default_offloader
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
+from .seam import policy_companions
 from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
 
@@ -326,15 +326,4 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
         wrappers.append(ours)
         logger.info("ac_policies: %s (%s) -> %s  [rule %d: %s]", row.fqn or "<root>", row.module_type, row.action, row.rule_index, row.rule)
     logger.info("ac_policies: applied %s to %s: %d module(s) wrapped", p.policy.name or "custom table", p.model_type, len(wrappers))
-    return PolicyHandle(p, wrappers, [h for h in (_resume_conversion(),) if h is not None])
-
-
-def _resume_conversion() -> Optional[Any]:
-    """Where Transformers is in use (imported), the handle of ``model_patches``' Trainer resume
-    conversion, which every patch of this library turns on: a resumed MoE run restores its experts
-    (see :mod:`model_patches.checkpoint_resume`). None for models outside Transformers."""
-    if "transformers" not in sys.modules:
-        return None
-    from model_patches.checkpoint_resume import enable_resume_conversion
-
-    return enable_resume_conversion(strict=False)
+    return PolicyHandle(p, wrappers, policy_companions())

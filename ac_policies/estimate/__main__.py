@@ -1,11 +1,12 @@
 """``python -m ac_policies.estimate CONFIG.json --tokens 32768 [--batch 1] [--policy non_moe]
-[--loss hidden_state] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``
+[--loss linear] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``
 
 Builds the Hugging Face model of ``CONFIG.json`` (a ``config.json`` path) on the meta device at
 full size (sdpa attention, training mode), applies the policy and loss, and prints the memory of
 one training step (AdamW) estimated on fake tensors. With ``--budget`` (a per-process size), it
 also prints the table ``fit`` chooses on fake tensors for that budget, or the smallest step peak
-the choices reach when none fits. Transformers is imported here only, never by ``ac_policies``.
+the choices reach when none fits. Transformers is imported when the command runs; the loss patches
+(``model_patches``' or another package's) come through :mod:`ac_policies.seam`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ac_policies.seam import LOSS_ALIASES, apply_loss_patch, loss_patch_names
+
 logger = logging.getLogger("ac_policies.estimate")
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -32,8 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, required=True, help="sequence length of one sample")
     p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     p.add_argument("--policy", default="none", help="checkpointing preset (full, selective, non_moe, ...; default none)")
-    p.add_argument("--loss", choices=["stock", "hidden_state"], default="stock",
-                   help="the model's own logits and loss, or model_patches.enable_linear_cross_entropy")
+    p.add_argument("--loss", choices=[*loss_patch_names(), *LOSS_ALIASES], default="stock",
+                   help="stock: the model's own logits and loss; linear: model_patches.enable_linear_cross_entropy "
+                        "(hidden_state, its old name, still works); chunked: model_patches.enable_chunked_loss; or a "
+                        "loss patch registered with ac_policies.seam.register_loss_patch")
     p.add_argument("--fsdp", type=int, default=1, help="FSDP2 processes the parameters are sharded over (default 1)")
     p.add_argument("--budget", help="per-process memory to fit the step peak in, e.g. 80GB; prints the fitted table")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default: the config's, else fp32)")
@@ -64,13 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     import ac_policies
-    import model_patches
 
     start = time.perf_counter()
     logger.info("building %s on the meta device", args.config)
     model = build(args.config, args.dtype)
-    if args.loss == "hidden_state":
-        model_patches.enable_linear_cross_entropy(model)
+    apply_loss_patch(model, args.loss)
     vocab = model.config.get_text_config().vocab_size
     optimizer = None if args.optimizer.lower() == "none" else args.optimizer
 

@@ -1,0 +1,77 @@
+"""The one seam where ``ac_policies`` meets the patches of other packages, at run time only.
+
+``ac_policies`` sits beside ``model_patches``: it imports neither it nor Transformers at module
+level. Two things combine them, and both go through here, importing what they need when they run:
+
+- :func:`policy_companions`: the handles a policy's handle takes with it. Where Transformers is in
+  use (imported), that is ``model_patches``' Trainer resume conversion, which every patch of this
+  distribution turns on: a resumed MoE run restores its experts
+  (:mod:`model_patches.checkpoint_resume`).
+- the loss patches that ``python -m ac_policies.estimate --loss NAME`` (and any caller of
+  :func:`apply_loss_patch`) applies to the model before estimating: ``stock`` (none), and the
+  ones registered by name. ``linear`` and ``chunked`` are ``model_patches``'
+  :func:`~model_patches.enable_linear_cross_entropy` and :func:`~model_patches.enable_chunked_loss`;
+  another package's loss patch registers itself with :func:`register_loss_patch` (a function
+  ``model -> handle``), and the command then offers it too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable, Union
+
+from torch import nn
+
+__all__ = ["policy_companions", "register_loss_patch", "loss_patch_names", "apply_loss_patch", "LOSS_ALIASES"]
+
+#: A loss patch: ``"module:function"`` of a package that ``ac_policies`` may not import at module
+#: level (imported when it is applied), or the function itself.
+LossPatch = Union[str, Callable[[nn.Module], Any]]
+
+_LOSS_PATCHES: dict[str, LossPatch] = {
+    "linear": "model_patches:enable_linear_cross_entropy",
+    "chunked": "model_patches:enable_chunked_loss",
+}
+#: Old ``--loss`` names, still accepted: ``hidden_state`` is the linear (hidden-state) form.
+LOSS_ALIASES = {"hidden_state": "linear"}
+
+
+def policy_companions() -> list[Any]:
+    """The handles :func:`~ac_policies.apply_policy` removes with the policy: ``model_patches``'
+    Trainer resume conversion where Transformers is imported, else none."""
+    if "transformers" not in sys.modules:
+        return []
+    from model_patches.checkpoint_resume import enable_resume_conversion
+
+    return [enable_resume_conversion(strict=False)]
+
+
+def register_loss_patch(name: str, enable: LossPatch) -> None:
+    """Offer ``enable(model) -> handle`` as the loss patch ``name`` (``--loss name``).
+
+    Raises:
+        ValueError: ``name`` is ``stock`` or already registered to something else.
+    """
+    if name == "stock" or name in LOSS_ALIASES or _LOSS_PATCHES.get(name, enable) is not enable:
+        raise ValueError(f"the loss patch name {name!r} is taken; registered: {loss_patch_names()}")
+    _LOSS_PATCHES[name] = enable
+
+
+def loss_patch_names() -> list[str]:
+    """``stock`` and every registered loss patch, in registration order."""
+    return ["stock", *_LOSS_PATCHES]
+
+
+def apply_loss_patch(model: nn.Module, name: str) -> Any:
+    """Apply the loss patch ``name`` to ``model``; its handle (None for ``stock``)."""
+    name = LOSS_ALIASES.get(name, name)
+    if name == "stock":
+        return None
+    if name not in _LOSS_PATCHES:
+        raise ValueError(f"unknown loss patch {name!r}; choose one of {loss_patch_names()}")
+    enable = _LOSS_PATCHES[name]
+    if isinstance(enable, str):
+        module, _, function = enable.partition(":")
+        enable = getattr(importlib.import_module(module), function)
+    return enable(model)
