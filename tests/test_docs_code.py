@@ -89,7 +89,7 @@ def test_not_run_markers_state_a_reason():
                 assert reason is None or len(reason) > 10, f"{_page_id(page)}:{line}: say why it is not run"
 
 
-@pytest.mark.parametrize("package", ["functional_ce", "model_patches", "ac_policies"])
+@pytest.mark.parametrize("package", ["functional_ce", "model_patches", "ac_policies", "patch_layer"])
 def test_api_page_names_every_public_name(package):
     text = (ROOT / "docs" / "api" / f"{package}.md").read_text()
     documented = set(re.findall(r"^::: [\w.]*?\.(\w+)$", text, re.M)) | set(re.findall(r"^- `(\w+)`", text, re.M))
