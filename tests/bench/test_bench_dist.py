@@ -47,8 +47,10 @@ def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path
     # Gathering the bf16 logits hands over this rank's 250 classes x 2 bytes per token.
     assert logits["full_tensor + functional_ce"]["fwd bytes/token/rank"] == 500
     hidden = {row[1]: dict(zip(hidden_table["columns"], row)) for row in hidden_table["rows"]}
-    # One fp32 [N, H] hidden-gradient reduction in backward.
-    assert hidden["functional_ce.linear_cross_entropy"]["bwd MiB/rank"] == 32 * 16 * 4 / 2**20
+    # One [N, H] hidden-gradient reduction in backward, in the hidden states' dtype (the host's
+    # default: bf16 where the CPU has bf16 matrix units, else fp32)
+    dtype = json.loads(out.read_text())["facts"]["dtypes"]["dist hidden"]["dtype"]
+    assert hidden["functional_ce.linear_cross_entropy"]["bwd MiB/rank"] == 32 * 16 * {"fp32": 4, "bf16": 2}[dtype] / 2**20
     # FSDP2: the hidden-state loss gathers and reduces exactly what the model's own step does.
     fsdp = {row[1]: dict(zip(fsdp_table["columns"], row)) for row in fsdp_table["rows"]}
     ours, own = fsdp["model_patches.causal_lm_loss"], fsdp[dist.FSDP_BASELINE]

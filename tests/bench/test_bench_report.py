@@ -184,7 +184,7 @@ def test_default_run_every_section_end_to_end_at_tiny_shapes(tmp_path, monkeypat
             "--ac-seq", "32", "--ac-layers", "1", "--ac-repeats", "2", "--ac-time-budget", "0"]
     assert main(argv) == 0
     payload = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert list(payload["sections"]) == ["ce", "lce", "logprobs", "trl", "dist", "packing", "ac", "summary"]
+    assert list(payload["sections"]) == ["train", "ce", "lce", "logprobs", "trl", "dist", "packing", "ac", "summary"]
     # a peer that is absent, or fit() refusing a budget below what any table reaches at this shape
     peers_missing = ("not installed", "CUDA only", "refused: lowest peak")
     for name, section in payload["sections"].items():
@@ -194,7 +194,7 @@ def test_default_run_every_section_end_to_end_at_tiny_shapes(tmp_path, monkeypat
             for row in table["rows"]:
                 assert row[-1] == "ok" or any(p in row[-1] for p in peers_missing), (name, table["title"], row)
     (summary,) = payload["sections"]["summary"]["tables"]
-    assert [row[0] for row in summary["rows"]] == ["ce", "lce", "logprobs", "trl", "dist", "packing", "ac", "all"]
+    assert [row[0] for row in summary["rows"]] == ["train", "ce", "lce", "logprobs", "trl", "dist", "packing", "ac", "all"]
     md = (tmp_path / "run" / "report.md").read_text()
     assert md.count("Reproduce: `python -m bench") >= 12 and "![ac_presets](plots/ac_presets.png)" in md
     # the spreads --compare judges by were measured
