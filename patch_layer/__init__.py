@@ -84,6 +84,11 @@ class Handle:
     """
 
     _removed = False
+    # what a subclass that does not call __init__ holds: nothing (its own _undo does the work)
+    companions: Sequence["Handle"] = ()
+    _forwards: Sequence[ForwardPatch] = ()
+    _ledger: Optional["AttributeLedger"] = None
+    _targets: Sequence[str] = ()
 
     def __init__(self, companions: Sequence["Handle"] = (), *, forwards: Sequence[ForwardPatch] = (),
                  ledger: Optional["AttributeLedger"] = None, targets: Sequence[str] = ()) -> None:
@@ -102,7 +107,7 @@ class Handle:
             if not self.active:
                 return
             self._check_wrapped()
-            for companion in reversed(getattr(self, "companions", ())):
+            for companion in reversed(self.companions):
                 companion.remove()
             self._restore()
             self._undo()
@@ -115,7 +120,7 @@ class Handle:
             current = getattr(patch.owner, patch.attribute, None)
             if not patch.live and holder_of(current, patch.replacement) is None:
                 raise self._wrapped_error(patch.target, current)
-        for fp in getattr(self, "_forwards", ()):
+        for fp in self._forwards:
             module, replacement = fp.module(), fp.replacement()
             if module is not None and replacement is not None and not getattr(replacement, "removed", False):
                 try:
@@ -125,13 +130,12 @@ class Handle:
 
     def _releasing(self) -> list["AttributePatch"]:
         """The attribute patches whose last reference this handle holds."""
-        ledger = getattr(self, "_ledger", None)
-        if ledger is None:
+        if self._ledger is None:
             return []
-        return [p for t in self._targets if (p := ledger.get(t)) is not None and p.refcount == 1]
+        return [p for t in self._targets if (p := self._ledger.get(t)) is not None and p.refcount == 1]
 
     def _restore(self) -> None:
-        for target in reversed(getattr(self, "_targets", ())):
+        for target in reversed(self._targets):
             patch = self._ledger.release(target)
             if patch is None:
                 continue
@@ -142,7 +146,7 @@ class Handle:
             else:  # the later code stays and now calls the original
                 holder_of(current, patch.replacement)(patch.original)
                 logger.info("unwrapped %s from under later code", target)
-        for fp in reversed(getattr(self, "_forwards", ())):
+        for fp in reversed(self._forwards):
             module, replacement = fp.module(), fp.replacement()
             if module is None or replacement is None or getattr(replacement, "removed", False):
                 continue

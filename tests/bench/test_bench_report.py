@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 
-from bench.__main__ import main
+from bench.__main__ import SECTION_KEYS, main
 from bench.harness import compare, modes, report_folder
 from bench.harness.report import Section, Table
 
@@ -268,3 +269,15 @@ def test_a_section_that_fails_to_render_keeps_the_others(tmp_path, monkeypatch, 
     assert main(["--no-progress", "--out", str(tmp_path)]) == 1
     assert list(json.loads((tmp_path / "report.json").read_text())["sections"]) == ["a", "b", "summary"]
     assert "rendering section a: ValueError: bad cell" in capsys.readouterr().err
+
+
+def test_every_section_key_is_a_folder_of_that_name_and_the_top_level_stays_small():
+    root = Path(__file__).resolve().parents[2] / "bench"
+
+    folders = {p.name for p in (root / "sections").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(SECTION_KEYS)
+    for key in SECTION_KEYS:
+        section = importlib.import_module(f"bench.sections.{key}.section")
+        assert callable(section.run), key
+    top = [p.name for p in root.iterdir() if p.name != "__pycache__"]
+    assert len(top) <= 12, sorted(top)
