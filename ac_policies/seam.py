@@ -42,9 +42,10 @@ def policy_companions() -> list[Any]:
     Trainer resume conversion where Transformers is imported, else none."""
     if "transformers" not in sys.modules:
         return []
-    from model_patches.checkpoint_resume import enable_resume_conversion
+    from model_patches.checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
+    from model_patches.registry import apply_records
 
-    return [enable_resume_conversion(strict=False)]
+    return [apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT)]
 
 
 def register_loss_patch(name: str, enable: LossPatch) -> None:

@@ -218,6 +218,12 @@ RESUME_RECORDS: tuple[PatchRecord, ...] = (
 )
 
 
+#: How a handle of these records names them. The other patches take the conversion as a companion
+#: with ``apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT)``: the registry, then these
+#: records' builders, with no detour back through this module's entry point.
+RESUME_WHAT = "checkpoint resume conversion"
+
+
 def enable_resume_conversion(*, strict: bool = True) -> PatchHandle:
     """Make ``Trainer``'s ``resume_from_checkpoint`` and ``load_best_model_at_end`` restore every
     saved weight (see the module docstring); every patch of this library turns it on with itself.
@@ -227,7 +233,7 @@ def enable_resume_conversion(*, strict: bool = True) -> PatchHandle:
     layout there. ``strict``: a release inside the gate whose functions have another shape raises
     :class:`~model_patches.PatchError` (``False``: a warning, and Trainer's own loading).
     """
-    return apply_records(RESUME_RECORDS, strict=strict, what="checkpoint resume conversion")
+    return apply_records(RESUME_RECORDS, strict=strict, what=RESUME_WHAT)
 
 
 def resume_conversion_status() -> StatusTable:

@@ -21,8 +21,10 @@ def crossed(call: Callable[[], object]) -> tuple[list[str], list[str]]:
     files: list[str] = []
     reentered: list[str] = []
 
+    prefixes = tuple(os.path.join(ROOT, package) + os.sep for package in PACKAGES)
+
     def tracer(frame, event, arg):
-        if event != "call":
+        if event != "call" or not frame.f_code.co_filename.startswith(prefixes):
             return None
         chain, f = [], frame
         while f is not None:
@@ -59,3 +61,34 @@ def test_linear_cross_entropy_crosses_ten_files_and_enters_none_twice(monkeypatc
     assert not reentered, reentered
     assert len(files) <= 10, files
     assert files[0] == os.path.join("functional_ce", "loss.py")
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def test_the_patch_and_estimate_paths_enter_no_file_twice(monkeypatch):
+    import ac_policies
+    import model_patches
+
+    monkeypatch.setenv("FUNCTIONAL_CE_COMPILE", "0")
+    model = _tiny_llama()
+
+    def step(m: torch.nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, 128, (1, 16))
+        return m(input_ids=ids, labels=ids).loss
+
+    calls = {
+        "enable_packing(model)": lambda: model_patches.enable_packing(model).remove(),
+        "apply_policy": lambda: ac_policies.apply_policy(model, "full").remove(),
+        "estimate": lambda: ac_policies.estimate(model, step),
+    }
+    for name, call in calls.items():
+        call()  # the first call's imports are not the path
+        files, reentered = crossed(call)
+        assert files and not reentered, (name, reentered)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import functional_ce
 
-from ..checkpoint_resume import enable_resume_conversion
+from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
 from ..model_handles import track
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from ..targets import parameters_probe
@@ -157,7 +157,7 @@ def enable_chunked_loss(model: Optional[torch.nn.Module] = None, *, strict: bool
             f"without Transformers' LOSS_MAPPING, so the chunked loss would never run. {TRAINER_HEAD_FIX}"
         )
     handle = apply_records(LOSS_RECORDS, strict=strict, what="chunked loss")
-    handle.companions.append(enable_resume_conversion(strict=False))
+    handle.companions.append(apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT))
     if model is None:
         handle.companions.append(refuse_unrouted_trl_heads(
             "enable_chunked_loss routes Transformers' LOSS_MAPPING for every model in this process, which TRL's "

@@ -39,8 +39,9 @@ import functional_ce
 from functional_ce.spec import ChunkSize
 from patch_layer import ForwardPatch, Handle, holder_of
 
-from ..checkpoint_resume import enable_resume_conversion
+from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
 from ..model_handles import track, tracked
+from ..registry import apply_records
 from .causal_lm_parts import (
     VERIFIED_MODEL_TYPES,
     decoder_inputs,
@@ -179,7 +180,7 @@ class LinearCrossEntropyForward:
             f"loss from hidden states instead, so the patch is silently unused. {TRAINER_HEAD_FIX}",
             model=model, scope=scope,
         )
-        self.handle = LinearCrossEntropyHandle(model, self, (enable_resume_conversion(strict=False), scope, refusal, watch))
+        self.handle = LinearCrossEntropyHandle(model, self, (apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT), scope, refusal, watch))
         track(model, self.handle)
 
     @property

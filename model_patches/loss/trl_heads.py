@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from patch_layer import Handle
 
-from ..checkpoint_resume import enable_resume_conversion
+from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
 from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
 from ..targets import parameters_probe
 from .per_model_state import REFUSALS, ROUTED, ModelScope, Refusal, ReleaseWithModel, refusal, trl_heads_routed
@@ -233,7 +233,7 @@ def enable_trl_heads(*, strict: bool = True) -> PatchHandle:
     """
     handle = _enable(ROUTED, None, "trl heads", strict)
     if isinstance(handle, PatchHandle):
-        handle.companions.append(enable_resume_conversion(strict=False))
+        handle.companions.append(apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT))
     return handle  # type: ignore[return-value]
 
 

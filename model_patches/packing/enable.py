@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..checkpoint_resume import enable_resume_conversion
+from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
 from ..targets import model_modules
 from .aux_loss import AUX_LOSS_NAME
@@ -48,7 +48,7 @@ def enable_packing(
         own = [m for m in _model_modules(model) if any(n in vars(sys.modules[m]) for n in (*BUILDERS, AUX_LOSS_NAME, RECURRENT))]
         extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict, what="packing")
-    handle.companions.append(enable_resume_conversion(strict=False))
+    handle.companions.append(apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT))
     applied = sum(r.state == "applied" for r in handle.rows)
     logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
     if model is not None:
