@@ -205,11 +205,6 @@ class PolicyForward:
         self._related: Optional[list[tuple[str, nn.Module]]] = None
 
     @property
-    def installed(self) -> bool:
-        """Whether the module's ``forward`` is this wrapper now."""
-        return self.module.__dict__.get("forward") is self
-
-    @property
     def __wrapped__(self) -> Callable[..., Any]:
         return self._below()
 

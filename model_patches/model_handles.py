@@ -12,9 +12,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from patch_layer import Handle, track, tracked
+from patch_layer import Handle, tracked
 
-__all__ = ["handles", "modules_of", "track", "tracked"]
+__all__ = ["handles", "modules_of"]
 
 
 def modules_of(obj: Any) -> list[nn.Module]:

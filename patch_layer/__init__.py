@@ -11,7 +11,7 @@
 - the instance-forward swap: :func:`swap_forward`, :func:`restore_forward` (a patch on one module
   sets ``module.forward`` as an instance attribute, so the module's type, children and
   ``state_dict`` keys stay as they were).
-- unwrapping: :func:`holder_of` and :func:`unwrap_from_under` find where code installed after a
+- unwrapping: :func:`holder_of` finds where code installed after a
   patch holds it (one closure cell of its function, or an instance attribute of a callable object
   such as Accelerate's ``ConvertOutputsToFp32``, at the top or along its ``__wrapped__`` chain, the
   ``functools.wraps`` convention) and re-point that place.
@@ -41,7 +41,6 @@ from torch import nn
 __all__ = [
     "Handle", "ForwardPatch", "WrappedByLaterCode", "LOCK", "AttributeLedger", "AttributePatch", "track", "tracked",
     "swap_forward", "restore_forward", "forward_below", "wrapped_forward", "holder_of", "holding_cell",
-    "unwrap_from_under",
 ]
 
 
@@ -322,19 +321,6 @@ def _set_wrapped(node: Any, below: Any) -> None:
         pass
 
 
-def unwrap_from_under(top: Any, ours: Any, below: Any) -> bool:
-    """Take ``ours`` out of a call chain in which ``top`` (code installed after ``ours``) calls it,
-    directly or through further wrappers (see :func:`holder_of`): point the place that holds
-    ``ours`` at ``below`` (what ``ours`` wrapped) and return True; ``top`` keeps working and now
-    calls ``below``. False, with nothing changed, when ``ours`` is held some other way (then it
-    cannot be unwrapped)."""
-    repoint = holder_of(top, ours)
-    if repoint is None:
-        return False
-    repoint(below)
-    return True
-
-
 def _holds(cell: Any, value: Any) -> bool:
     try:
         return cell.cell_contents is value
@@ -376,7 +362,7 @@ def restore_forward(module: nn.Module, replacement: Any, previous: Optional[Call
     also every attribute of ``module`` that names ``replacement`` (Accelerate keeps the forward it
     wrapped as ``_original_forward``). Returns True when it unwrapped from under later code.
 
-    Call :func:`wrapped_forward` first (a handle's ``_check``): this assumes it did not raise.
+    Call :func:`wrapped_forward` first (as ``Handle.remove`` does): this assumes it did not raise.
     """
     repoint = wrapped_forward(module, replacement)
     if repoint is None:

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 import functional_ce
+from patch_layer import track
 
 from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
-from ..model_handles import track
 from ..registry import PatchHandle, PatchRecord, StatusTable, apply_records, record_status
 from ..targets import parameters_probe
 from .per_model_state import ReleaseWithModel

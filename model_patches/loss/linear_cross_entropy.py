@@ -37,10 +37,9 @@ import torch.nn as nn
 
 import functional_ce
 from functional_ce.spec import ChunkSize
-from patch_layer import ForwardPatch, Handle, holder_of
+from patch_layer import ForwardPatch, Handle, holder_of, track, tracked
 
 from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
-from ..model_handles import track, tracked
 from ..registry import apply_records
 from .causal_lm_parts import (
     VERIFIED_MODEL_TYPES,
