@@ -3,7 +3,8 @@
 Each wrapped module gets an *instance* attribute ``forward`` that runs the original bound
 forward under ``torch.utils.checkpoint.checkpoint(use_reentrant=False,
 preserve_rng_state=True)`` (with torch's selective-checkpoint ``context_fn`` for
-``selective``), or, for ``offload``, as is under saved-tensor hooks that copy its activations to
+``selective``), or, for ``tile``, over slices of its tokens, each slice such a region
+(:mod:`ac_policies.tile`), or, for ``offload``, as is under saved-tensor hooks that copy its activations to
 pinned host memory on a side CUDA stream during forward and bring them back ahead of their use
 in backward (:mod:`ac_policies.offload`). On a module whose parameters are not on a CUDA device
 there is nowhere to offload to: ``offload`` runs it as is, keeping activations where they are (as
@@ -16,7 +17,9 @@ the checkpoint region, so they run once per step. Undo deletes the attribute.
 As in Hugging Face, a region is entered only when the module is in training mode and gradients
 are enabled; otherwise the original forward runs as is (eval with a KV cache decodes normally).
 Keyword arguments reach the module untouched whatever their names (they are bound before
-``checkpoint`` sees them). Hugging Face's own gradient checkpointing on a module in, around or
+``checkpoint`` sees them). A tiled module recomputes only itself, so it composes with any
+checkpointing around it (the policy's, Hugging Face's, ``checkpoint_wrapper``). Hugging Face's own
+gradient checkpointing on a module in, around or
 under a wrapped one is refused with one message, whether it was enabled before
 ``apply_policy`` or after (then at the next training forward), and so is torch's
 ``checkpoint_wrapper`` (Accelerate's FSDP activation checkpointing) anywhere in the model when
@@ -60,6 +63,7 @@ from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .seam import policy_companions
 from .selective import SelectiveOps, selective_context_fn
 from .table import PolicyLike
+from .tile import tiled_call
 
 __all__ = ["apply_policy", "PolicyForward", "PolicyHandle", "applied_row", "policy_of", "trainer_checkpointing_argument"]
 
@@ -229,6 +233,8 @@ class PolicyForward:
         # as Hugging Face does: no region in eval mode (cached decoding) or without gradients (no backward)
         if not (module.training and torch.is_grad_enabled()):
             return self._call_below(*args, **kwargs)
+        if row.action == "tile":  # recomputes only itself: composes with any checkpointing around it
+            return tiled_call(row.fqn, row.rule.tiles, self._region, args, kwargs)
         if self._related is None:
             self._related = with_hf_flag([(row.fqn, module), *self.around, *self.under])
         flagged = find_hf_flagged(self._related)
@@ -302,11 +308,13 @@ def apply_policy(model: nn.Module, policy: PolicyLike, *, strict: bool = False) 
                 f"{type(model).__name__} already has an activation-checkpointing policy applied "
                 f"({fqn or '<root>'} -> {row.action}); call handle.remove() on it before applying another"
             )
-    wrapper = find_checkpoint_wrapper(list(model.modules()))
+    wrapper = find_checkpoint_wrapper(list(model.modules())) if any(r.action != "tile" for r in p.wrapped) else None
     if wrapper is not None:
         raise wrapper_checkpointing_error(wrapper)
     lineages = {row.fqn: lineage(model, row.fqn) for row in p.wrapped}
     for row in p.wrapped:
+        if row.action == "tile":
+            continue
         flagged = find_hf_flagged(with_hf_flag(lineages[row.fqn]), training=False)
         if flagged is not None:
             raise double_checkpointing_error(*flagged)

@@ -16,12 +16,13 @@ from .rules import Rule
 from .selective import DEFAULT_SAVE_OPS, SelectiveOps
 from .structure import planning
 from .table import Policy, PolicyLike
+from .tile import not_position_wise
 
 __all__ = ["PlanRow", "Plan", "plan", "ACPolicyWarning"]
 
 logger = logging.getLogger(__name__)
 
-WRAPPING_ACTIONS = frozenset({"checkpoint", "selective", "offload"})
+WRAPPING_ACTIONS = frozenset({"checkpoint", "selective", "offload", "tile"})
 RECOMPUTING_ACTIONS = frozenset({"checkpoint", "selective"})
 
 
@@ -89,7 +90,8 @@ def _under(child: str, parent: str) -> bool:
 class Plan(tuple):
     """The rows of a plan (a tuple of :class:`PlanRow`), plus what looked wrong.
 
-    ``wrapped`` lists the rows whose action changes the module (not ``none``); ``unmatched``
+    ``wrapped`` lists the rows whose action changes the module (not ``none``); ``tiled`` the
+    ``tile`` rows; ``unmatched``
     the indices of rules that matched no module; ``nested`` the (outer, inner) pairs of
     wrapped modules inside one another; ``moe_recomputed`` the MoE blocks a recomputing region
     covers. ``str(plan)`` is an aligned table.
@@ -114,6 +116,10 @@ class Plan(tuple):
         # pickling and copying: the keyword-only fields go back through __new__
         return (tuple(self),), dict(policy=self.policy, unmatched=self.unmatched, nested=self.nested,
                                     moe_recomputed=self.moe_recomputed, model_type=self.model_type)
+
+    @property
+    def tiled(self) -> tuple[PlanRow, ...]:
+        return tuple(r for r in self if r.action == "tile")
 
     @property
     def wrapped(self) -> tuple[PlanRow, ...]:
@@ -143,8 +149,11 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
 
     Returns a :class:`Plan` without changing the model. Raises ValueError when a rule with
     ``on_unmatched="error"`` matches nothing (e.g. a MoE-scoped preset on a dense model). Rules that
-    match nothing (unless ``on_unmatched="ignore"``) and nested wrapped regions are warned about (:class:`ACPolicyWarning`), or
-    rejected with ValueError when ``strict``. A table that recomputes a MoE block warns once.
+    match nothing (unless ``on_unmatched="ignore"``) and nested wrapped regions (other than a tiled
+    module inside a block with another action, which is how they compose) are warned about (:class:`ACPolicyWarning`), or
+    rejected with ValueError when ``strict``. A table that recomputes a MoE block warns once. A
+    ``tile`` rule matching a module that is not position-wise (attention, a decoder block, a
+    convolution) raises ValueError with the reason.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan() takes an nn.Module, got {type(model).__name__}")
@@ -163,6 +172,10 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
             if found is None:
                 continue
             i, rule = found
+            if rule.action == "tile":
+                reason = not_position_wise(fqn, module)
+                if reason is not None:
+                    raise ValueError(f"rule {i} ({rule}) cannot tile {fqn or '<root>'}: {reason}")
             hit[i] = True
             rows.append(PlanRow(fqn, i, rule, rule.action, type(module).__name__, specs.get(i)))
     unmatched = [i for i, h in enumerate(hit) if not h and table.rules[i].on_unmatched != "ignore"]
@@ -177,7 +190,10 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
             f"{model_type}.{hint}"
         )
     wrapped = [r for r in rows if r.action in WRAPPING_ACTIONS]
-    nested = [(o.fqn, r.fqn) for o in wrapped for r in wrapped if _under(r.fqn, o.fqn)]
+    # a tiled module inside a checkpointed, selective or offloaded block is how the two compose; any
+    # other nesting runs a region inside another
+    nested = [(o.fqn, r.fqn) for o in wrapped for r in wrapped
+              if _under(r.fqn, o.fqn) and not (r.action == "tile" and o.action != "tile")]
     recomputing = [r.fqn for r in wrapped if r.action in RECOMPUTING_ACTIONS]
     moe_hit = sorted({m for m in moe_fqns for w in recomputing if m == w or _under(m, w) or _under(w, m)})
     result = Plan(rows, policy=table, unmatched=unmatched, nested=nested, moe_recomputed=moe_hit, model_type=model_type)

@@ -25,6 +25,11 @@
 - ``keep_router``: NeMo's MoE default: the whole block is recomputed except the router's
   output: its matmul (the router weights, ``*.mlp.gate`` / ``*.mlp.router`` and the like) and the ``topk`` routing
   decision are saved, so routing never changes between forward and recompute.
+- ``long_context``: ``full``, plus every position-wise feed-forward tiled (``tiles="auto"``): each
+  dense MLP outside a MoE block, and each MoE block (its shared experts inside it are tiled with
+  it). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and there
+  the MLP's ``[tokens, intermediate]`` tensors; tiled, they exist for one slice at a time
+  (:mod:`ac_policies.tile`).
 - ``none``: nothing is checkpointed.
 
 Names are normalised (case, ``-``/``_``/spaces); ``True`` means ``full`` and ``False``/``None``
@@ -71,6 +76,15 @@ _NON_MOE_NO_ATTN = Policy(
     name="non_moe_no_attn",
 )
 _NONE = Policy((), name="none")
+# a feed-forward that runs position-wise: a MoE block, or a dense MLP that is not part of one
+_FEED_FORWARD = any_of(P["moe"], all_of(P["dense_mlp"], not_(inside(P["moe"]))))
+_LONG_CONTEXT = Policy(
+    (
+        Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),
+        Rule(when=_FEED_FORWARD, action="tile", tiles="auto", on_unmatched="error"),
+    ),
+    name="long_context",
+)
 
 # torchtitan's op-level SAC save set, as read in torchtitan/distributed/activation_checkpoint.py
 # (``_get_default_save_ops`` of its ``SelectiveAC`` policy class, the newest form of that file
@@ -135,6 +149,7 @@ PRESETS: Mapping[str, Policy] = MappingProxyType(
         "non_moe_no_attn": _NON_MOE_NO_ATTN,
         "op_sac": _OP_SAC,
         "keep_router": _KEEP_ROUTER,
+        "long_context": _LONG_CONTEXT,
         "none": _NONE,
     }
 )

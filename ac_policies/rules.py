@@ -10,6 +10,7 @@ from torch import nn
 
 from .predicates import parenthesized, resolve_predicate
 from .selective import Every, resolve_ops
+from .tile import TILES_AUTO, Tiles, check_tiles
 
 __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 
@@ -18,12 +19,15 @@ __all__ = ["Rule", "ACTIONS", "ON_UNMATCHED"]
 # offload:    run as is; on CUDA its saved activations go to pinned host memory on a side stream in
 #             forward and come back ahead of their use in backward (ac_policies.offload); off CUDA
 #             there is nowhere to offload to: activations are kept (as 'none'), with one warning.
+# tile:       run a position-wise module (dense MLP, MoE block) over ``tiles`` slices of its tokens,
+#             each a checkpoint region: forward keeps no slice's intermediates, backward recomputes one
+#             slice at a time (ac_policies.tile); exact, and composes with the action of an enclosing block.
 # none:       leave the module alone (stops later rules from matching it).
-ACTIONS = ("checkpoint", "selective", "offload", "none")
+ACTIONS = ("checkpoint", "selective", "offload", "tile", "none")
 
 _KEYS = (
     "match", "when", "action", "ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of",
-    "save_copies_to_cpu_from", "on_unmatched",
+    "save_copies_to_cpu_from", "tiles", "on_unmatched",
 )
 _SELECTIVE_ONLY = ("ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
 _LISTS = ("ops", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
@@ -46,7 +50,9 @@ class Rule:
     ["mm"]}`` to recompute every k-th call of those ops; ``recompute_matmuls_of`` and
     ``save_matmuls_of``, module globs whose weights' matmuls are always recomputed or always
     saved (resolved at plan time); ``save_copies_to_cpu_from``, device types (``["cuda"]``) whose
-    copies to the CPU are always saved. ``on_unmatched``: what
+    copies to the CPU are always saved. ``tile`` rules take ``tiles``: the number of slices of the
+    tokens (an int), or ``"auto"`` (the default: ``ceil(tokens / hidden)``, see :mod:`ac_policies.tile`).
+    ``on_unmatched``: what
     planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
     (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows
     covering module kinds a model may lack, such as dense MLPs in an all-MoE model).
@@ -60,6 +66,7 @@ class Rule:
     recompute_matmuls_of: Optional[tuple[str, ...]] = None
     save_matmuls_of: Optional[tuple[str, ...]] = None
     save_copies_to_cpu_from: Optional[tuple[str, ...]] = None
+    tiles: Optional[Tiles] = None
     on_unmatched: str = "warn"
 
     def __post_init__(self) -> None:
@@ -73,6 +80,10 @@ class Rule:
         for key in _SELECTIVE_ONLY:
             if getattr(self, key) is not None and self.action != "selective":
                 raise ValueError(f"Rule.{key} only applies to action='selective', got {key} with action={self.action!r}")
+        if self.tiles is not None and self.action != "tile":
+            raise ValueError(f"Rule.tiles only applies to action='tile', got tiles with action={self.action!r}")
+        if self.action == "tile":
+            object.__setattr__(self, "tiles", check_tiles(TILES_AUTO if self.tiles is None else self.tiles))
         if self.ops is not None:
             if isinstance(self.ops, str) or not all(isinstance(o, str) for o in self.ops):
                 raise TypeError(f"Rule.ops must be a list of op names like ['mm', 'topk'], got {self.ops!r}")
@@ -113,6 +124,8 @@ class Rule:
         for key in ("recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from"):
             if getattr(self, key) is not None:
                 ops += f" {key}={list(getattr(self, key))}"
+        if self.action == "tile":
+            ops += f" tiles={self.tiles}"
         req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
         return f"{text} -> {self.action}{ops}{req}"
 
@@ -135,6 +148,8 @@ class Rule:
         for key in ("recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from"):
             if getattr(self, key) is not None:
                 out[key] = list(getattr(self, key))
+        if self.action == "tile":
+            out["tiles"] = self.tiles
         if self.on_unmatched != "warn":
             out["on_unmatched"] = self.on_unmatched
         return out

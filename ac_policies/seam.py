@@ -1,7 +1,7 @@
 """The one seam where ``ac_policies`` meets the patches of other packages, at run time only.
 
 ``ac_policies`` sits beside ``model_patches``: it imports neither it nor Transformers at module
-level. Two things combine them, and both go through here, importing what they need when they run:
+level. Three things combine them, and all go through here, importing what they need when they run:
 
 - :func:`policy_companions`: the handles a policy's handle takes with it. Where Transformers is in
   use (imported), that is ``model_patches``' Trainer resume conversion, which every patch of this
@@ -13,17 +13,21 @@ level. Two things combine them, and both go through here, importing what they ne
   :func:`~model_patches.enable_linear_cross_entropy` and :func:`~model_patches.enable_chunked_loss`;
   another package's loss patch registers itself with :func:`register_loss_patch` (a function
   ``model -> handle``), and the command then offers it too.
+- :func:`recorded_outputs`: the outputs Transformers is recording from inside a forward (its
+  output capturing: ``output_router_logits``, ``output_hidden_states``), which a ``tile`` rule
+  merges back to one entry per call of the tiled module.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import nn
 
-__all__ = ["policy_companions", "register_loss_patch", "loss_patch_names", "apply_loss_patch", "LOSS_ALIASES"]
+__all__ = ["policy_companions", "recorded_outputs", "register_loss_patch", "loss_patch_names", "apply_loss_patch", "LOSS_ALIASES"]
 
 #: A loss patch: ``"module:function"`` of a package that ``ac_policies`` may not import at module
 #: level (imported when it is applied), or the function itself.
@@ -46,6 +50,25 @@ def policy_companions() -> list[Any]:
     from model_patches.registry import apply_records
 
     return [apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT)]
+
+
+def recorded_outputs() -> Optional[dict[str, Any]]:
+    """The dict of lists Transformers' output capturing is filling in the forward running now
+    (``transformers.utils.output_capturing``, Transformers 5), or None: no forward is recording,
+    Transformers is not imported, or its release keeps the lists out of reach (4.x keeps them in a
+    closure; there the recorders of the MoE families sit on the MoE block, whose merged output
+    they see)."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    if collector is None:
+        return None
+    if torch.compiler.is_compiling():
+        # dynamo cannot read a ContextVar; Transformers' wrapper holds the value in a plain attribute
+        # when it was set while compiling, and that is the only one a compiled region can see
+        found = collector.global_var if getattr(collector, "compiling", False) else None
+    else:
+        found = collector.get()
+    return found if isinstance(found, dict) else None
 
 
 def register_loss_patch(name: str, enable: LossPatch) -> None:

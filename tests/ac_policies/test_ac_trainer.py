@@ -83,3 +83,41 @@ def test_sft_trainer_defaults_are_refused_and_the_named_argument_trains(tmp_path
         with ac_policies.apply_policy(model, "full"):
             advised = _losses(sft(model, "advised", **off))
     assert len(plain) == STEPS and advised == plain
+
+
+@pytest.mark.parametrize("policy_first", [True, False], ids=["policy-then-packing", "packing-then-policy"])
+def test_trainer_with_packing_and_tiled_mlps_trains_as_plain_packing(tmp_path, policy_first) -> None:
+    """Checkpointed blocks with tiled MLPs on packed rows through ``Trainer``: the
+    losses of the same packed run without the policy, with the patches in either order."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    import model_patches
+
+    def run(model, out):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1,
+            report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+            seed=0, remove_unused_columns=False,
+        )
+        rows = [{"input_ids": r["input_ids"][: 6 + i % 7].tolist()} for i, r in enumerate(_dataset())]
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=DataCollatorWithFlattening())
+        return _losses(trainer)
+
+    model = tiny_ac_model("llama", attn_implementation="sdpa")
+    with model_patches.enable_packing(model):
+        plain = run(model, "plain")
+    model = tiny_ac_model("llama", attn_implementation="sdpa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+        if policy_first:
+            with ac_policies.apply_policy(model, [{"when": "decoder_block", "action": "checkpoint"},
+                                                  {"when": "dense_mlp", "action": "tile", "tiles": 3}]):
+                with model_patches.enable_packing(model):
+                    tiled = run(model, "tiled")
+        else:
+            with model_patches.enable_packing(model):
+                with ac_policies.apply_policy(model, [{"when": "decoder_block", "action": "checkpoint"},
+                                                      {"when": "dense_mlp", "action": "tile", "tiles": 3}]):
+                    tiled = run(model, "tiled")
+    assert len(plain) == STEPS
+    torch.testing.assert_close(tiled, plain, rtol=1e-6, atol=1e-6)
