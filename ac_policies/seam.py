@@ -16,18 +16,22 @@ level. Three things combine them, and all go through here, importing what they n
 - :func:`recorded_outputs`: the outputs Transformers is recording from inside a forward (its
   output capturing: ``output_router_logits``, ``output_hidden_states``), which a ``tile`` rule
   merges back to one entry per call of the tiled module.
+- :func:`unpacked_rows_on_fakes`: how Transformers' mask code reads ``position_ids`` on the fake
+  tensors of an estimate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["policy_companions", "recorded_outputs", "register_loss_patch", "loss_patch_names", "apply_loss_patch", "LOSS_ALIASES"]
+__all__ = ["policy_companions", "recorded_outputs", "unpacked_rows_on_fakes", "register_loss_patch", "loss_patch_names", "apply_loss_patch", "LOSS_ALIASES"]
 
 #: A loss patch: ``"module:function"`` of a package that ``ac_policies`` may not import at module
 #: level (imported when it is applied), or the function itself.
@@ -69,6 +73,34 @@ def recorded_outputs() -> Optional[dict[str, Any]]:
     else:
         found = collector.get()
     return found if isinstance(found, dict) else None
+
+
+@contextlib.contextmanager
+def unpacked_rows_on_fakes() -> Iterator[None]:
+    """While an estimate runs: Transformers' detection of packed rows from ``position_ids``
+    (``masking_utils.find_packed_sequence_indices``, 5.x) answers "not packed" for fake
+    ``position_ids``.
+
+    On real tensors it reads the values and, for ordinary rows (positions 0..T-1), lets sdpa run
+    with ``is_causal`` and no mask; on fake tensors it cannot read them and builds a ``[T, T]``
+    mask the real step never builds, which at long context would dominate the estimate. Packed
+    batches are the packing patch's (``model_patches.enable_packing``), which builds its own masks
+    and whose bytes the estimate counts as they are.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked_when_fake(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if is_fake(position_ids) else find(position_ids)
+
+    masking.find_packed_sequence_indices = unpacked_when_fake
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
 
 
 def register_loss_patch(name: str, enable: LossPatch) -> None:

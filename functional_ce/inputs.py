@@ -6,10 +6,11 @@ labels, mask, weights and token count into a spec and :class:`Tokens`.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import numbers
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -222,6 +223,12 @@ def make_spec(
 # --- which rows carry a loss, and how the rows reduce -----------------------------------------
 
 
+#: Set while an operator's loop runs on fake tensors (:mod:`functional_ce.workspace`): makes the
+#: valid rows, found from the real labels beforehand (fake labels have no values to read).
+KNOWN_ROWS: contextvars.ContextVar[Optional[Callable[[], "ValidRows"]]] = contextvars.ContextVar(
+    "functional_ce_known_rows", default=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ValidRows:
     """The rows that carry a loss (label != ignore_index), so ignored rows cost no matmul.
@@ -234,6 +241,9 @@ class ValidRows:
 
     @staticmethod
     def of(labels: torch.Tensor, ignore_index: int) -> "ValidRows":
+        known = KNOWN_ROWS.get()
+        if known is not None:  # the operator runs on fake tensors to report its workspace
+            return known()
         valid = labels != ignore_index
         if bool(valid.all()):  # one host read-back per call (a sync on GPU)
             return ValidRows(labels.shape[0], None)

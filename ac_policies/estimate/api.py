@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..fake import fake_model
+from ..seam import unpacked_rows_on_fakes
 from .fsdp import fsdp_peak
 from .result import MemoryEstimate
 from .trace import PHASES, TracedStep, cuda_block_bytes, trace_step
@@ -56,7 +57,7 @@ def _summarise(model: nn.Module, ts: TracedStep, world_size: int, device: str, f
     else:
         parts, at = fsdp_peak(model, ts, world_size, size_of)
     phase = PHASES[ts.trace.phases[at]] if ts.trace.phases else "forward"
-    return MemoryEstimate(buffers=ts.buffers, activations=ts.activations, peak_phase=phase,
+    return MemoryEstimate(buffers=ts.buffers, activations=ts.activations, peak_phase=phase, workspace=ts.trace.workspace,
                           peak_module=_module_at(ts, at), world_size=world_size, device=device, fake=fake, **parts)
 
 
@@ -89,7 +90,8 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
     Returns:
         A :class:`MemoryEstimate` (bytes per process). Not counted: allocator fragmentation and
         cached blocks, cuBLAS/NCCL workspaces, the CUDA context, and what a custom op allocates
-        inside itself without returning it (functional_ce's chunk buffers).
+        inside itself without returning it, except ``functional_ce``'s operators, which report
+        their chunk workspace (counted in the peak, and shown as ``workspace``).
 
     Raises:
         ValueError: a model in eval mode, a ``world_size`` that is not a positive int, an unknown
@@ -98,7 +100,7 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
     """
     _check(model, step, world_size)
     kind, size_of = _size_of(device)
-    with fake_model(model):
+    with fake_model(model), unpacked_rows_on_fakes():
         ts = trace_step(model, step, optimizer, size_of=size_of)
         return _summarise(model, ts, world_size, kind, True, size_of)
 

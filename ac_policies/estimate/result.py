@@ -11,7 +11,8 @@ __all__ = ["MemoryEstimate", "NOT_COUNTED", "format_bytes"]
 NOT_COUNTED = (
     "not counted: allocator fragmentation and cached (reserved but free) blocks, cuBLAS/cuDNN/NCCL "
     "workspaces, the CUDA context, communication buffers outside tensors, and memory a custom op "
-    "or kernel allocates inside itself without returning it"
+    "or kernel allocates inside itself without returning it (functional_ce's operators report theirs: "
+    "the chunk workspace row)"
 )
 
 
@@ -34,6 +35,9 @@ class MemoryEstimate:
         peak: the most bytes alive at once over the step, everything included: parameters,
             buffers, optimizer state, gradients as they accumulate, activations, recompute,
             temporaries (and, under FSDP2, gathered parameters and gradient buffers).
+        workspace: the largest chunk workspace a loss operator of ``functional_ce`` allocated
+            inside itself (its chunk buffers at the chunk size in force; counted in ``peak`` at
+            that operator, as the operators report it).
         peak_phase: ``"forward"``, ``"backward"`` or ``"optimizer"``: when the peak happens.
         peak_module: fully qualified name of the innermost module running at the peak (``""``:
             the model itself, outside any submodule; backward keeps a module's name from its
@@ -56,13 +60,14 @@ class MemoryEstimate:
     device: str = "cpu"
     fake: bool = True
     note: Optional[str] = None
+    workspace: int = 0
 
     def __str__(self) -> str:
         what = "estimated on fake tensors" if self.fake else "measured (live tensors)"
         shard = f", FSDP2 over {self.world_size} processes (per process)" if self.world_size > 1 else ""
         rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
                 ("optimizer state", self.optimizer), ("activations kept after forward", self.activations),
-                ("step peak", self.peak)]
+                ("loss chunk workspace", self.workspace), ("step peak", self.peak)]
         width = max(len(r[0]) for r in rows)
         lines = [f"training step memory, {what}{shard}, {self.device} rounding"]
         lines += [f"  {name:<{width}}  {format_bytes(n):>12}" for name, n in rows]

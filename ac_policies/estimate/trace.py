@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_leaves
 
+from functional_ce.workspace import is_operator, workspace_bytes
+
 from ..accounting import LiveBytes, local_shard, storage_key
 
 __all__ = ["PHASES", "StepTrace", "cuda_block_bytes", "make_optimizer", "trace_step", "unique_bytes"]
@@ -50,6 +52,10 @@ class StepTrace(LiveBytes):
     (``phases``) and the fully qualified names of the modules running (``modules``, from
     ``ModTracker``, ``""`` for the root), and when each storage was first counted (``born``).
 
+    A loss operator of ``functional_ce`` adds, at its own op, the chunk workspace it reports
+    (:func:`functional_ce.workspace.workspace_bytes`): the buffers it allocates inside itself,
+    which no dispatch mode above it sees; ``workspace`` is the largest.
+
     ``extra`` (real runs only) adds bytes no op allocates, read after every op (storages resized
     in place, such as FSDP2's unsharded parameters).
     """
@@ -63,11 +69,15 @@ class StepTrace(LiveBytes):
         self.phases: list[int] = []
         self.modules: list[frozenset] = []
         self.born: dict[int, tuple[Any, int]] = {}
+        self.workspace = 0  # the largest chunk workspace of a loss operator in the step
         self._last: frozenset = frozenset()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self._record(out) and self.totals and self.extra is None:
+        # what a loss operator allocates inside itself, alive while it runs (it reports it)
+        inside = (self.size_of or int)(workspace_bytes(func, args, kwargs or {})) if is_operator(func) else 0
+        self.workspace = max(self.workspace, inside)
+        if not self._record(out) and self.totals and self.extra is None and not inside:
             # nothing new: the total can only have fallen, and no peak is missed by keeping the
             # last one (an upper bound until the next allocation); saves a scan per view op
             self._append(self.totals[-1])
@@ -79,7 +89,7 @@ class StepTrace(LiveBytes):
                 entry = self.refs.get(key)
                 if entry is not None and self.born.get(key, (None,))[0] is not entry[0]:
                     self.born[key] = (entry[0], index)
-        total = self.total() + (self.extra() if self.extra else 0)
+        total = self.total() + (self.extra() if self.extra else 0) + inside
         self.peak = max(self.peak, total)
         self._append(total)
         return out

@@ -38,6 +38,7 @@ CASES = [
     pytest.param("qwen3_moe", "none", True, marks=pytest.mark.slow),
     ("qwen3_moe", "non_moe", False), ("qwen3_moe", "selective", True),
     ("qwen3_next", "full", False), pytest.param("qwen3_next", "non_moe_no_attn", True, marks=pytest.mark.slow),
+    ("llama", "long_context", True), ("qwen3_moe", "long_context", False),
 ]
 
 
@@ -54,6 +55,25 @@ def test_estimate_is_within_10_percent_of_the_measured_step(family, policy, hidd
     # 32 KiB) more or less is a visible share of what a checkpointed model keeps
     assert abs(est.activations - real.activations) <= max(0.15 * real.activations, SEQ * 128 * 4)
     assert est.peak_phase in ("forward", "backward", "optimizer")
+
+
+def test_the_loss_operators_chunk_workspace_is_counted_and_printed():
+    """The hidden-state loss's operators report their chunk buffers: the estimate and the measured
+    step both count them, and the table prints them in a row of their own; the stock loss has
+    none. (On fake labels every row takes part; the real step's last row of each sequence is
+    ignored, and its loop gathers the others: a few ``[tokens, hidden]`` copies more.)"""
+    from functional_ce.spec import LINEAR_AUTO_CHUNK_ROWS
+
+    seq = 2 * LINEAR_AUTO_CHUNK_ROWS
+    stock = _prepared("llama", "full", False)
+    linear = _prepared("llama", "full", True)
+    step = _step(linear.config.vocab_size, seq)
+    est, real = ac_policies.estimate(linear, step), measure_step(linear, step)
+    chunk_logits = LINEAR_AUTO_CHUNK_ROWS * linear.config.vocab_size * 4
+    assert real.workspace >= est.workspace >= chunk_logits
+    assert real.workspace - est.workspace <= 0.15 * real.workspace
+    assert "loss chunk workspace" in str(est)
+    assert ac_policies.estimate(stock, step).workspace == 0
 
 
 def test_fitted_policy_estimate_and_fake_fit_match_the_real_ones():
