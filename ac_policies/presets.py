@@ -27,8 +27,9 @@
   decision are saved, so routing never changes between forward and recompute.
 - ``long_context``: ``full``, plus every position-wise feed-forward tiled (``tiles="auto"``): each
   dense MLP outside a MoE block, and each MoE block (its shared experts inside it are tiled with
-  it). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and there
-  the MLP's ``[tokens, intermediate]`` tensors; tiled, they exist for one slice at a time
+  it), and every norm outside the blocks (the final norm, whose fp32 copies of its input backward
+  keeps). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and
+  there the MLP's ``[tokens, intermediate]`` tensors; tiled, they exist for one slice at a time
   (:mod:`ac_policies.tile`).
 - ``none``: nothing is checkpointed.
 
@@ -78,10 +79,13 @@ _NON_MOE_NO_ATTN = Policy(
 _NONE = Policy((), name="none")
 # a feed-forward that runs position-wise: a MoE block, or a dense MLP that is not part of one
 _FEED_FORWARD = any_of(P["moe"], all_of(P["dense_mlp"], not_(inside(P["moe"]))))
+# the final norm: outside every block, it keeps fp32 copies of its input for backward
+_OUTSIDE_BLOCKS_NORM = all_of(P["norm"], not_(inside(P["decoder_block"])))
 _LONG_CONTEXT = Policy(
     (
         Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),
         Rule(when=_FEED_FORWARD, action="tile", tiles="auto", on_unmatched="error"),
+        Rule(when=_OUTSIDE_BLOCKS_NORM, action="tile", tiles="auto", on_unmatched="ignore"),
     ),
     name="long_context",
 )

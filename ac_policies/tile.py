@@ -24,7 +24,6 @@ of about ``hidden`` tokens), and never more slices than tokens.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -169,10 +168,14 @@ def tiled_call(fqn: str, tiles: Tiles, call: Callable[..., Any], args: tuple, kw
     slices = row.split(size, dim=token_dim)
     sizes = [s.shape[token_dim] for s in slices]
 
+    # the slices' regions keep ``run`` until backward: it must not hold the whole input
+    head, tail = (args[:where], args[where + 1:]) if kind == "arg" else (args, ())  # type: ignore[misc,operator]
+    others = {k: v for k, v in kwargs.items() if k != where}
+
     def run(piece: torch.Tensor) -> Any:
         if kind == "arg":
-            return call(*args[:where], piece, *args[where + 1:], **kwargs)  # type: ignore[misc,operator]
-        return call(*args, **{**kwargs, where: piece})
+            return call(*head, piece, *tail, **others)
+        return call(*head, **others, **{where: piece})
 
     before = _recorded_lengths()
     outs = [checkpoint(run, piece, use_reentrant=False, preserve_rng_state=True) for piece in slices]
@@ -189,7 +192,3 @@ def _restore_shape(out: Any, row: torch.Tensor, lead: tuple) -> Any:
         return out.reshape(*lead, *out.shape[2:])
     return out
 
-
-def tiled(fqn: str, tiles: Tiles, call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call`` with :func:`tiled_call` around it."""
-    return functools.partial(tiled_call, fqn, tiles, call)
