@@ -22,6 +22,9 @@ its policy and loss patches; it returns a :class:`MemoryEstimate` (bytes of para
 optimizer state, activations and the step peak, with the phase and module of the peak) that
 prints as a table. ``python -m ac_policies.estimate CONFIG.json --tokens 32768 ...`` does it for
 a Hugging Face config, and ``fit(..., fake=True)`` searches on fake tensors the same way.
+``ac_policies.longest_context(model, make_step, "80GB")`` (``--longest``) finds the longest
+sequence whose step fits, as the model is and with the recommended plan (``long_context`` and the
+hidden-state loss).
 
 Regions are entered only in training mode with gradients on; Hugging Face's own gradient
 checkpointing on top of a policy is refused; ``ac_policies.measure.step_bytes`` reports the
@@ -29,7 +32,7 @@ step peak next to the bytes kept after forward.
 """
 
 from .apply import PolicyHandle, apply_policy, policy_of
-from .estimate import MemoryEstimate, estimate
+from .estimate import LongestContext, MemoryEstimate, estimate, longest_context
 from .fit import FitEstimate, fit
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .predicates import Predicate, all_of, any_of, inside, layers, not_, predicate, register_predicate
@@ -43,6 +46,7 @@ __all__ = [
     "ACPolicyWarning",
     "DEFAULT_SAVE_OPS",
     "FitEstimate",
+    "LongestContext",
     "MemoryEstimate",
     "PRESETS",
     "Plan",
@@ -58,6 +62,7 @@ __all__ = [
     "fit",
     "inside",
     "layers",
+    "longest_context",
     "not_",
     "plan",
     "policy_of",

@@ -19,7 +19,7 @@ auxiliary loss sees the whole sequence's routing. RNG state is preserved per sli
 checkpointing preserves it.
 
 ``tiles="auto"`` takes ``ceil(tokens / hidden)`` slices (DeepSpeed's ``TiledMLP`` rule: a slice
-of about ``hidden`` tokens), and never more slices than tokens.
+of about ``hidden`` tokens), with slices of at least 1024 tokens, and never more slices than tokens.
 """
 
 from __future__ import annotations
@@ -49,9 +49,16 @@ def check_tiles(value: Any) -> Tiles:
     return value
 
 
+#: The fewest tokens an ``"auto"`` slice holds: below that a slice's intermediates are small next to
+#: everything else a step holds, and each slice costs a region and its kernels' launches.
+MIN_AUTO_SLICE = 1024
+
+
 def auto_tiles(tokens: int, hidden: int) -> int:
-    """DeepSpeed's rule for ``TiledMLP``'s ``"auto"``: ``ceil(tokens / hidden)``, at least 1."""
-    return max(1, math.ceil(tokens / max(1, hidden)))
+    """DeepSpeed's rule for ``TiledMLP``'s ``"auto"``, ``ceil(tokens / hidden)``, with slices of at
+    least :data:`MIN_AUTO_SLICE` tokens (narrow models would otherwise get a slice per few tokens);
+    at least 1."""
+    return max(1, math.ceil(tokens / max(MIN_AUTO_SLICE, hidden)))
 
 
 def tile_count(tiles: Tiles, tokens: int, hidden: int) -> int:

@@ -77,46 +77,73 @@ def _describe(value: Any) -> Any:
 _SEEN: dict[Any, int] = {}
 
 
+#: The operators' parameters whose first dimension is the token rows.
+ROW_ARGUMENTS = frozenset({"x", "x2", "hidden", "hidden2", "labels", "prior", "stats", "coef", "grad_rows", "saved",
+                           "logits", "logits2", "out", "out2"})
+
+
 def workspace_bytes(func: Any, args: tuple, kwargs: Optional[dict] = None) -> int:
     """Bytes the operator ``func`` (``torch.ops.functional_ce.<name>.default``) allocates inside
     itself at its peak for these arguments (real or fake tensors; they are not touched), beyond its
     inputs and the outputs it returns. 0 for anything that is not one of this package's operators.
-    Remembered per operator, shapes, dtypes, spec and number of rows taking part.
+
+    Past four chunks of rows the loop is run on two and four chunks' worth and the bytes
+    extrapolated linearly in the rows (each chunk's buffers are the same size; what grows with the
+    rows, such as the gathered valid rows, grows linearly). Remembered per operator, shapes,
+    dtypes, spec and number of rows taking part.
     """
     if not is_operator(func):
         return 0
     impl = IMPLEMENTATIONS[f"{NAMESPACE}::{func._opname}"]
     kwargs = kwargs or {}
-    named = dict(zip(inspect.signature(impl).parameters, args), **kwargs)
+    names = list(inspect.signature(impl).parameters)
+    named = dict(zip(names, args), **kwargs)
     labels, spec = named.get("labels"), named.get("spec")
-    valid = None
+    n_valid = None
     if isinstance(labels, torch.Tensor) and isinstance(spec, str) and not isinstance(labels, FakeTensor):
-        valid = (labels != decode(spec).ignore_index).nonzero().squeeze(1)
-    key = (str(func), valid if valid is None else valid.numel(),
-           tuple(_describe(a) for a in tree_leaves((args, kwargs))))
+        n_valid = int((labels != decode(spec).ignore_index).sum())
+    key = (str(func), n_valid, tuple(_describe(a) for a in tree_leaves((args, kwargs))))
     if key not in _SEEN:
-        _SEEN[key] = _run_on_fakes(impl, args, kwargs, valid)
+        _SEEN[key] = _extrapolated(impl, names, named, n_valid)
     return _SEEN[key]
 
 
-def _run_on_fakes(impl: Any, args: tuple, kwargs: dict, valid: Optional[torch.Tensor]) -> int:
-    """The peak of ``impl``'s temporaries on fake copies of the arguments; ``valid``: the indices of
-    the rows taking part, read from real labels (None: every row, as on fake labels)."""
-    mode = _fake_mode((args, kwargs)) or FakeTensorMode(allow_non_fake_inputs=True)
+def _rows(named: dict) -> int:
+    return next((v.shape[0] for k, v in named.items() if k in ROW_ARGUMENTS and isinstance(v, torch.Tensor)), 0)
+
+
+def _extrapolated(impl: Any, names: list[str], named: dict, n_valid: Optional[int]) -> int:
+    n = _rows(named)
+    spec = named.get("spec")
+    chunk = decode(spec).rows_in(n) if isinstance(spec, str) and n else n
+    if n <= 4 * chunk:
+        return _run_on_fakes(impl, named, n_valid)
+    sizes = (2 * chunk, 4 * chunk)
+    found = []
+    for rows in sizes:
+        cut = {k: v[:rows] if k in ROW_ARGUMENTS and isinstance(v, torch.Tensor) else v for k, v in named.items()}
+        found.append(_run_on_fakes(impl, cut, None if n_valid is None else round(n_valid * rows / n)))
+    slope = (found[1] - found[0]) / (sizes[1] - sizes[0])
+    return max(0, round(found[1] + slope * (n - sizes[1])))
+
+
+def _run_on_fakes(impl: Any, named: dict, n_valid: Optional[int]) -> int:
+    """The peak of ``impl``'s temporaries on fake copies of the arguments (by name); ``n_valid``:
+    how many rows take part, read from real labels (None: every row, as on fake labels)."""
+    mode = _fake_mode(named) or FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        fake_args, fake_kwargs = tree_map(
-            lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t,
-            (args, kwargs))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((fake_args, fake_kwargs)) if isinstance(t, torch.Tensor)}
-        n = next((t.shape[0] for t in tree_leaves(fake_args) if isinstance(t, torch.Tensor)), 0)
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                        else t, named)
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves(fake) if isinstance(t, torch.Tensor)}
+        n = _rows(fake)
         tracker = _PeakOfTemporaries(inputs)
         with tracker:
             # the index of the rows taking part is made where the loop makes it, as the real one is
-            every = valid is None or valid.numel() == n
+            every = n_valid is None or n_valid == n
             token = KNOWN_ROWS.set(lambda: ValidRows(n, None) if every else
-                                   ValidRows(n, torch.empty(valid.shape, dtype=valid.dtype)))
+                                   ValidRows(n, torch.empty(n_valid, dtype=torch.int64)))
             try:
-                out = impl(*fake_args, **fake_kwargs)
+                out = impl(**fake)
             finally:
                 KNOWN_ROWS.reset(token)
         outputs = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()

@@ -1,11 +1,15 @@
 """``python -m ac_policies.estimate CONFIG.json --tokens 32768 [--batch 1] [--policy non_moe]
-[--loss linear] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``
+[--loss linear] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``, or
+``python -m ac_policies.estimate CONFIG.json --longest --budget 80GB [--fsdp 8] ...``
 
 Builds the Hugging Face model of ``CONFIG.json`` (a ``config.json`` path) on the meta device at
 full size (sdpa attention, training mode), applies the policy and loss, and prints the memory of
 one training step (AdamW) estimated on fake tensors. With ``--budget`` (a per-process size), it
 also prints the table ``fit`` chooses on fake tensors for that budget, or the smallest step peak
-the choices reach when none fits. Transformers is imported when the command runs; the loss patches
+the choices reach when none fits. With ``--longest`` (and ``--budget``) it prints instead the
+longest sequence whose step fits the budget, for the model as given (``--policy``, ``--loss``) and
+with the recommended plan (``long_context`` and the hidden-state loss), with what limits going
+further (:func:`ac_policies.longest_context`). Transformers is imported when the command runs; the loss patches
 (``model_patches``' or another package's) come through :mod:`ac_policies.seam`.
 """
 
@@ -32,7 +36,9 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ac_policies.estimate", description=__doc__.split("\n\n")[1])
     p.add_argument("config", help="path to a Hugging Face config.json")
-    p.add_argument("--tokens", type=int, required=True, help="sequence length of one sample")
+    p.add_argument("--tokens", type=int, help="sequence length of one sample (required unless --longest)")
+    p.add_argument("--longest", action="store_true",
+                   help="search the longest sequence whose step fits --budget (as given, and with the recommended plan)")
     p.add_argument("--batch", type=int, default=1, help="samples per step (default 1)")
     p.add_argument("--policy", default="none", help="checkpointing preset (full, selective, non_moe, ...; default none)")
     p.add_argument("--loss", choices=[*loss_patch_names(), *LOSS_ALIASES], default="stock",
@@ -40,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(hidden_state, its old name, still works); chunked: model_patches.enable_chunked_loss; or a "
                         "loss patch registered with ac_policies.seam.register_loss_patch")
     p.add_argument("--fsdp", type=int, default=1, help="FSDP2 processes the parameters are sharded over (default 1)")
+    p.add_argument("--offload-params", action="store_true",
+                   help="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory")
     p.add_argument("--budget", help="per-process memory to fit the step peak in, e.g. 80GB; prints the fitted table")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default: the config's, else fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda", help="allocator rounding to model (default cuda)")
@@ -66,7 +74,12 @@ def build(path: str, dtype: Optional[str]) -> torch.nn.Module:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.longest and not args.budget:
+        parser.error("--longest needs --budget (the memory per process to fit the step in, e.g. 80GB)")
+    if not args.longest and args.tokens is None:
+        parser.error("--tokens is required (or --longest with --budget)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     import ac_policies
 
@@ -81,12 +94,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ids = torch.randint(0, vocab, (args.batch, args.tokens))
         return m(input_ids=ids, labels=ids).loss
 
-    kwargs = dict(optimizer=optimizer, world_size=args.fsdp, device=args.device)
+    kwargs = dict(optimizer=optimizer, world_size=args.fsdp, device=args.device, offload_params=args.offload_params)
     handle = None
     if args.policy.lower() != "none":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
             handle = ac_policies.apply_policy(model, args.policy)
+    if args.longest:
+        from ac_policies.estimate import token_step
+
+        print(f"{args.config}: batch {args.batch}, policy {args.policy}, {args.loss} loss")
+        print(ac_policies.longest_context(model, token_step(vocab, args.batch), args.budget, **kwargs))
+        logger.info("done in %.1f s", time.perf_counter() - start)
+        return 0
     logger.info("tracing one training step on fake tensors (policy %s, %s loss)", args.policy, args.loss)
     result = ac_policies.estimate(model, step, **kwargs)
     print(f"{args.config}: batch {args.batch} x {args.tokens} tokens, policy {args.policy}, {args.loss} loss")

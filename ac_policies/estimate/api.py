@@ -11,7 +11,7 @@ from torch import nn
 from ..fake import fake_model
 from ..seam import unpacked_rows_on_fakes
 from .fsdp import fsdp_peak
-from .result import MemoryEstimate
+from .result import MemoryEstimate, format_bytes
 from .trace import PHASES, TracedStep, cuda_block_bytes, trace_step
 
 __all__ = ["estimate", "measure_step"]
@@ -48,21 +48,26 @@ def _module_at(ts: TracedStep, index: int) -> str:
 
 
 def _summarise(model: nn.Module, ts: TracedStep, world_size: int, device: str, fake: bool,
-               size_of: Callable[[int], int]) -> MemoryEstimate:
+               size_of: Callable[[int], int], offload_params: bool = False) -> MemoryEstimate:
     totals = ts.trace.totals or [0]
-    if world_size == 1:
+    note = None
+    if offload_params:
+        note = (f"parameters ({format_bytes(ts.params)}), gradients and optimizer state ({format_bytes(ts.optimizer)}) "
+                "in host memory (FSDP2 CPUOffloadPolicy); on the device: the units' gathered parameters")
+    if world_size == 1 and not offload_params:
         at = max(range(len(totals)), key=totals.__getitem__)
         parts = {"params": ts.params, "grads": ts.grads, "optimizer": ts.optimizer,
                  "peak": ts.params + ts.buffers + ts.optimizer + totals[at]}
     else:
-        parts, at = fsdp_peak(model, ts, world_size, size_of)
+        parts, at = fsdp_peak(model, ts, world_size, size_of, offload=offload_params)
     phase = PHASES[ts.trace.phases[at]] if ts.trace.phases else "forward"
     return MemoryEstimate(buffers=ts.buffers, activations=ts.activations, peak_phase=phase, workspace=ts.trace.workspace,
-                          peak_module=_module_at(ts, at), world_size=world_size, device=device, fake=fake, **parts)
+                          peak_module=_module_at(ts, at), world_size=world_size, device=device, fake=fake, note=note,
+                          **parts)
 
 
 def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_size: int = 1,
-             device: Optional[str] = None) -> MemoryEstimate:
+             device: Optional[str] = None, offload_params: bool = False) -> MemoryEstimate:
     """The memory of one training step of ``model``, from a run on fake tensors.
 
     Args:
@@ -82,6 +87,11 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
         world_size: FSDP2 processes (``fully_shard`` on each decoder block and the root); the
             per-process bytes are modelled on the single-process trace as
             :mod:`ac_policies.estimate.fsdp` describes. No process group is needed.
+        offload_params: FSDP2's ``CPUOffloadPolicy`` (on ``world_size`` processes, one included):
+            parameters, gradients and optimizer state in host memory, the optimizer step run there;
+            the device holds the gathered parameters of one unit (and the prefetched next), the
+            gradients of the unit whose backward runs, and the activations. ``params``, ``grads``
+            and ``optimizer`` are then 0 (device bytes) and the note says what is in host memory.
         device: None or ``"cpu"``: exact ``nbytes`` of each storage (each storage once, however
             many views). ``"cuda"``: each storage rounded up to 512 bytes, as the CUDA caching
             allocator rounds a request (segments, caching and fragmentation are not modelled).
@@ -102,7 +112,7 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
     kind, size_of = _size_of(device)
     with fake_model(model), unpacked_rows_on_fakes():
         ts = trace_step(model, step, optimizer, size_of=size_of)
-        return _summarise(model, ts, world_size, kind, True, size_of)
+        return _summarise(model, ts, world_size, kind, True, size_of, offload_params)
 
 
 def measure_step(model: nn.Module, step: Step, *, optimizer: Any = "adamw", device: Optional[str] = None,

@@ -16,6 +16,12 @@ reshard after forward, the root does not):
   and the reduce-scatter input (the unit's gradient bytes) when its backward ends; its unsharded
   gradients are alive until then.
 - Optimizer temporaries scale with the shards (the optimizer runs on the local shards).
+
+With ``offload=True`` (FSDP2's ``CPUOffloadPolicy``, on any number of processes, one included):
+the parameter shards, the sharded gradients and the optimizer state live in host memory and the
+optimizer step runs there. The device holds the buffers, the gathered parameters of the units
+running (in the parameters' dtype, one unit and the prefetched next), the unsharded gradients of
+the unit whose backward runs, and the activations.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ def shard_bytes(shape: torch.Size, itemsize: int, world: int) -> int:
     return math.ceil(shape[0] / world) * math.prod(shape[1:]) * itemsize
 
 
-def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[int], int]
+def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[int], int], offload: bool = False
               ) -> tuple[dict[str, int], int]:
-    """Per-process ``{"params", "grads", "optimizer", "peak"}`` bytes under FSDP2 over ``world``
-    processes, and the op index of the peak in ``ts.trace``."""
+    """Per-process device ``{"params", "grads", "optimizer", "peak"}`` bytes under FSDP2 over
+    ``world`` processes (``offload``: with ``CPUOffloadPolicy``), and the op index of the peak in
+    ``ts.trace``."""
     blocks = decoder_blocks(model)
     unit_of: dict[str, int] = {}  # parameter name -> unit index (0: root, i + 1: blocks[i])
     full: dict[str, int] = {}
@@ -75,6 +82,8 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
     sharded_opt = sum(ts.state_of.get(n, 0) * shard[n] // max(full[n], 1) for n in full)
     shaped_opt = sum(ts.state_of.get(n, 0) for n in full)
     base = sharded_params + ts.buffers + sharded_opt + (ts.optimizer - shaped_opt)
+    if offload:
+        base = ts.buffers
 
     trace = ts.trace
     names = [f"{ts.root}.{b}" for b in blocks]
@@ -96,7 +105,7 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
 
     # gradient bytes by op: full-size from birth, shard-size after the unit's backward ends
     grad_full = [0] * (n_ops + 1)
-    grad_sharded = [0] * (n_ops + 1)
+    grad_sharded = [0] * (n_ops + 1)  # on the device: sharded after the unit's backward, or gone (offload)
     for key, name in ts.grad_keys.items():
         born = trace.born.get(key)
         if born is None or name not in unit_of:
@@ -105,7 +114,7 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
         grad_full[b] += full[name]
         grad_sharded[b] += full[name]
         if end >= b:
-            grad_sharded[end + 1] += shard[name] - full[name]
+            grad_sharded[end + 1] += (0 if offload else shard[name]) - full[name]
     best, at = -1, 0
     gf = gs = 0
     for i in range(n_ops):
@@ -113,6 +122,8 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
         gs += grad_sharded[i]
         ph, mods = trace.phases[i], trace.modules[i]
         act = trace.totals[i] - gf
+        if offload and ph == 2:
+            continue  # the optimizer step runs in host memory
         if ph == 2:
             act = act * sharded_params // full_params
             gathered = 0
@@ -131,5 +142,7 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
         if total > best:
             best, at = total, i
     grads = sum(shard[n] for n in ts.grad_keys.values() if n in shard)
+    if offload:
+        return {"params": 0, "grads": 0, "optimizer": 0, "peak": best}, at
     return {"params": sharded_params, "grads": grads, "optimizer": base - sharded_params - ts.buffers,
             "peak": best}, at

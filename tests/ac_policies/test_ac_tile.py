@@ -125,13 +125,15 @@ def test_auto_tiles_follow_the_widths():
     assert auto_tiles(8192, 1024) == 8
     assert auto_tiles(1000, 1024) == 1
     assert auto_tiles(8193, 1024) == 9
+    assert auto_tiles(8192, 64) == 8  # slices of at least MIN_AUTO_SLICE tokens
+    assert auto_tiles(8192 * 4, 4096) == 8
     assert tile_count(16, 10, 1024) == 10  # never more slices than tokens
     assert tile_count("auto", 32768, 4096) == 8
 
 
 def test_auto_tiles_run_exactly_with_an_uneven_last_slice():
-    model = tiny_ac_model("llama")  # hidden 32
-    ids = token_batch(s=35)  # 2 x 35 = 70 tokens: ceil(70 / 32) = 3 slices of 24, 24, 22
+    model = tiny_ac_model("llama")  # hidden 32: slices of MIN_AUTO_SLICE = 1024 tokens
+    ids = token_batch(s=1100)  # 2 x 1100 = 2200 tokens: 3 slices of 734, 734, 732
     want = loss_and_grads(model, ids)
     with _apply(model, [{"when": "dense_mlp", "action": "tile"}]):
         got = loss_and_grads(model, ids)

@@ -1,6 +1,7 @@
 """The chunk workspace a ``functional_ce`` operator reports (:func:`functional_ce.workspace.workspace_bytes`,
 run on fake tensors) against what its loop allocates when it runs on real tensors (eager chunk
-maths, every temporary counted while alive), and how it follows the chunk size."""
+maths, every temporary counted while alive), with 300 rows in chunks of 64 (so extrapolated from
+two and four chunks), and how it follows the chunk size."""
 
 from __future__ import annotations
 
@@ -74,7 +75,9 @@ def test_reported_workspace_is_what_the_loop_allocates(loss, dtype):
         LOSSES[loss](h, w, y, 64).backward()
     assert inside.seen
     for name, real, reported in inside.seen:
-        assert reported == real, (name, real, reported)
+        # past four chunks the report is extrapolated from two and four chunks of rows, with the
+        # count of valid rows scaled to them (rounded): a few bytes of index either way
+        assert abs(reported - real) <= 0.001 * real + 64, (name, real, reported)
     assert max(r for _, _, r in inside.seen) >= 64 * 1000 * 4  # at least one fp32 chunk of logits
 
 

@@ -1,0 +1,217 @@
+"""``longest_context(model, make_step, budget)``: the longest sequence whose training step fits a
+per-process memory budget, searched on fake tensors, for the model as it is and for the plan the
+library recommends (the ``long_context`` policy and the hidden-state loss).
+
+The search doubles the length from ``start`` until a step no longer fits, then halves the gap
+until the shortest length reported as too long is at most ``resolution`` times the longest that
+fits. Each length is one :func:`~ac_policies.estimate` (at full depth, or extrapolated from two
+shallow copies of the model, :mod:`ac_policies.estimate.depth`); nothing runs on a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .api import Step, estimate
+from .depth import decoder_layout, estimate_at_depth
+from .result import MemoryEstimate, format_bytes
+
+__all__ = ["ContextRow", "LongestContext", "longest_context"]
+
+logger = logging.getLogger(__name__)
+
+MakeStep = Callable[[int], Step]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextRow:
+    """One plan's answer: ``tokens`` fit (0: not even ``start``), ``too_long`` does not (0: the
+    search reached ``max_tokens``), with the estimates at both and what stops a longer context."""
+
+    plan: str
+    tokens: int
+    fits: Optional[MemoryEstimate]
+    too_long: int
+    over: Optional[MemoryEstimate]
+    limit: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestContext:
+    """The answer of :func:`longest_context`: one :class:`ContextRow` per plan, and the budget."""
+
+    budget: int
+    rows: tuple[ContextRow, ...]
+    world_size: int = 1
+    offload_params: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """The longest context of the best plan."""
+        return max(r.tokens for r in self.rows)
+
+    def __str__(self) -> str:
+        shard = f", FSDP2 over {self.world_size} processes" if self.world_size > 1 else ""
+        shard += ", parameters, gradients and optimizer state in host memory" if self.offload_params else ""
+        header = ("plan", "longest", "peak", "too long", "its peak", "peak in", "what limits it")
+        cells = []
+        for r in self.rows:
+            where = f"{r.over.peak_phase}, {r.over.peak_module or 'the model itself'}" if r.over else ""
+            cells.append((r.plan, f"{r.tokens:,}", format_bytes(r.fits.peak) if r.fits else "-",
+                          f"{r.too_long:,}" if r.too_long else "-", format_bytes(r.over.peak) if r.over else "-",
+                          where, r.limit))
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+        line = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+        return "\n".join([f"longest context within {format_bytes(self.budget)} per process{shard} "
+                          "(estimated on fake tensors)", line(header), line(["-" * w for w in widths]),
+                          *(line(c) for c in cells)])
+
+
+def _limit(e: MemoryEstimate, budget: int) -> str:
+    """What holds the peak of a step that does not fit, and what would move it."""
+    state = e.params + e.buffers + e.grads + e.optimizer
+    if state >= budget:
+        return (f"parameters, gradients and optimizer state alone take {format_bytes(state)}: shard them (FSDP2 "
+                "over more processes) or keep them in host memory")
+    if e.peak_phase == "optimizer":
+        return (f"the optimizer step: parameters, gradients and optimizer state ({format_bytes(state)}) and the "
+                "optimizer's temporaries: shard them (FSDP2 over more processes) or keep them in host memory "
+                "(offload_params)")
+    transient = e.peak - state - e.activations
+    if e.activations >= transient:
+        return (f"activations kept after forward ({format_bytes(e.activations)}): checkpoint more, offload "
+                "them to host memory, or shard the sequence (context parallelism)")
+    inside = e.peak_module or "the model itself"
+    return (f"one {e.peak_phase} working set ({format_bytes(transient)} above what is kept, in {inside}): tile "
+            "it, or shard the sequence (context parallelism)")
+
+
+def _search(run: Callable[[int], MemoryEstimate], budget: int, start: int, max_tokens: int, resolution: float,
+            multiple: int) -> tuple[int, Optional[MemoryEstimate], int, Optional[MemoryEstimate]]:
+    fits: dict[int, MemoryEstimate] = {}
+    over: dict[int, MemoryEstimate] = {}
+
+    def trial(tokens: int) -> bool:
+        e = run(tokens)
+        ok = e.peak <= budget
+        (fits if ok else over)[tokens] = e
+        logger.info("longest_context: %d tokens -> peak %s (%s)", tokens, format_bytes(e.peak), "fits" if ok else "over")
+        return ok
+
+    lo, hi = 0, 0
+    t = start
+    while True:
+        if not trial(t):
+            hi = t
+            break
+        lo = t
+        if t >= max_tokens:
+            break
+        t = min(2 * t, max_tokens)
+    while hi and lo and hi > lo * resolution:
+        mid = (lo + hi) // 2 // multiple * multiple
+        if mid <= lo or mid >= hi:
+            break
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, fits.get(lo), hi, over.get(hi)
+
+
+def _recommended(model: nn.Module) -> tuple[list[Any], list[str]]:
+    """Apply what the recommended plan adds to ``model`` (long_context, the hidden-state loss) where
+    it is not there yet; the handles and the names of what was added."""
+    import ac_policies
+    from ac_policies.seam import apply_loss_patch
+
+    handles, added = [], []
+    if ac_policies.policy_of(model) is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            handles.append(ac_policies.apply_policy(model, "long_context"))
+        added.append("long_context")
+    try:
+        handle = apply_loss_patch(model, "linear")
+    except (ValueError, RuntimeError) as exc:  # a loss patch is there already
+        logger.info("longest_context: the hidden-state loss is not added (%s)", exc)
+    else:
+        handles.append(handle)
+        added.append("hidden-state loss")
+    return handles, added
+
+
+def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, str], *, world_size: int = 1,
+                    device: Optional[str] = "cuda", optimizer: Any = "adamw", offload_params: bool = False,
+                    start: int = 1024,
+                    max_tokens: int = 1 << 22, resolution: float = 1.125, recommend: bool = True,
+                    full_depth: bool = False) -> LongestContext:
+    """The longest sequence whose training step of ``model`` fits ``budget`` bytes per process.
+
+    Args:
+        model: an ``nn.Module`` in training mode (on the meta device at full size, or real; it is
+            left as it was), with whatever policy and loss patch it trains with.
+        make_step: ``make_step(tokens) -> step``, ``step(model) -> loss`` as :func:`estimate` takes
+            it, building a batch of ``tokens`` tokens.
+        budget: bytes per process, or a size such as ``"80GB"``.
+        world_size, device, optimizer, offload_params: as :func:`estimate`.
+        start, max_tokens: the first length tried and the last.
+        resolution: the search stops when the shortest length too long is at most this times the
+            longest that fits (lengths are multiples of ``start``'s largest power of two up to 256).
+        recommend: also answer for the recommended plan: the model with the ``long_context`` policy
+            (unless it has a policy already) and the hidden-state loss (unless it has a loss patch).
+        full_depth: trace every length at full depth; by default a decoder whose blocks repeat is
+            traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`).
+
+    Returns:
+        A :class:`LongestContext` that prints as a table: per plan, the longest length that fits
+        with its peak, the first that does not, where its peak is and what limits going further.
+    """
+    from ..fit import parse_budget
+
+    limit = parse_budget(budget, 1)
+    if isinstance(budget, float):
+        raise ValueError("longest_context takes a budget in bytes or a size such as '80GB', not a fraction")
+    if not 1.0 < resolution <= 2.0:
+        raise ValueError(f"resolution must be in (1, 2], got {resolution!r}")
+    if start < 1 or max_tokens < start:
+        raise ValueError(f"need 1 <= start <= max_tokens, got start={start}, max_tokens={max_tokens}")
+    layout = None if full_depth else decoder_layout(model)
+    multiple = max(1, min(256, start & -start))
+
+    def run(tokens: int) -> MemoryEstimate:
+        step = make_step(tokens)
+        return estimate_at_depth(model, lambda: estimate(model, step, optimizer=optimizer, world_size=world_size,
+                                                         device=device, offload_params=offload_params), layout)
+
+    def answer(plan: str) -> ContextRow:
+        tokens, fits, too_long, over = _search(run, limit, start, max_tokens, resolution, multiple)
+        why = _limit(over, limit) if over is not None else f"fits up to max_tokens={max_tokens:,}"
+        return ContextRow(plan, tokens, fits, too_long, over, why)
+
+    rows = [answer("as is")]
+    if recommend:
+        handles, added = _recommended(model)
+        try:
+            if added:
+                rows.append(answer("+ " + " + ".join(added)))
+        finally:
+            for h in reversed(handles):
+                h.remove()
+    return LongestContext(limit, tuple(rows), world_size, offload_params)
+
+
+def token_step(vocab: int, batch: int = 1) -> MakeStep:
+    """``make_step`` for a causal LM: ``batch`` random rows of ``tokens`` ids, the labels the ids."""
+    def make(tokens: int) -> Step:
+        def step(model: nn.Module) -> torch.Tensor:
+            ids = torch.randint(0, vocab, (batch, tokens))
+            return model(input_ids=ids, labels=ids).loss
+        return step
+    return make
