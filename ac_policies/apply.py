@@ -58,7 +58,7 @@ from .double_checkpointing import (
     wrapper_checkpointing_error,
 )
 from .kv_cache import cache_safe, has_cache
-from .offload import default_offloader
+from .offload import default_offloader, is_modelling_offload, modelled_offload
 from .plan import ACPolicyWarning, Plan, PlanRow, plan
 from .seam import policy_companions
 from .selective import SelectiveOps, selective_context_fn
@@ -165,7 +165,11 @@ def _offloaded(module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> 
 
 
 def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
-    """Run ``orig`` offloading its saved activations when the module is on CUDA, else as is (one warning)."""
+    """Run ``orig`` offloading its saved activations when the module is on CUDA, else as is (one
+    warning); in an estimate that models a CUDA device, under the modelled region."""
+    if is_modelling_offload():
+        with modelled_offload(module):
+            return orig(*args, **kwargs)
     device = _module_device(module, args, kwargs)
     if device is None or device.type != "cuda":
         if not _offload_warned:

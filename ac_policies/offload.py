@@ -25,6 +25,12 @@ tensors (a second backward with ``retain_graph=True`` copies them back again). R
 tracked by weak reference in forward order on an :class:`Offloader`, one per process and
 device type (:func:`default_offloader`), so a freed graph's regions drop out by themselves.
 
+An estimate on fake tensors (``ac_policies.estimate(..., device="cuda")``) cannot copy anything:
+there :func:`modelled_offload` stands in for a region (:func:`modelling_offload` turns it on). Its
+pack hook puts a meta-device copy in place of each tensor worth offloading (a meta tensor counts
+against no device), and its unpack hook makes a device tensor of that shape again, counted while
+backward uses it: host memory for what is offloaded, the copies in flight on the device.
+
 The stream work sits behind a small interface (:class:`CudaStreams`, :class:`InlineStreams`):
 ``Offloader(device_type="cpu")`` runs the same bookkeeping on CPU tensors with plain
 synchronous copies into separate CPU buffers, which is how the decisions and the prefetch
@@ -33,17 +39,21 @@ order are tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 __all__ = [
     "DEFAULT_MIN_BYTES",
+    "modelled_offload",
+    "modelling_offload",
     "CudaStreams",
     "InlineStreams",
     "OffloadRegion",
@@ -339,3 +349,40 @@ def default_offloader(device_type: str = "cuda") -> Offloader:
             off = _DEFAULT[device_type] = Offloader(device_type)
             logger.info("ac_policies: offloading %s activations of %d bytes or more to host memory", device_type, off.min_bytes)
         return off
+
+
+_MODELLING: contextvars.ContextVar[bool] = contextvars.ContextVar("ac_policies_modelling_offload", default=False)
+
+
+@contextlib.contextmanager
+def modelling_offload() -> Iterator[None]:
+    """While active, ``offload`` rules run :func:`modelled_offload` (an estimate modelling a CUDA device)."""
+    token = _MODELLING.set(True)
+    try:
+        yield
+    finally:
+        _MODELLING.reset(token)
+
+
+def is_modelling_offload() -> bool:
+    return _MODELLING.get()
+
+
+def modelled_offload(module: nn.Module, min_bytes: int = DEFAULT_MIN_BYTES) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that model an offload region on fake tensors (see the module docstring):
+    tensors of at least ``min_bytes`` bytes, not ``module``'s parameters or buffers, leave for the
+    meta device in forward and come back as new tensors in backward."""
+    own = {id(t) for t in (*module.parameters(), *module.buffers())}
+
+    def pack(t: torch.Tensor) -> Any:
+        if id(t) in own or isinstance(t, nn.Parameter) or t.numel() * t.element_size() < min_bytes:
+            return t.detach()
+        return (t.device, t.to("meta"))
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return torch.empty_like(host, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -190,10 +190,11 @@ def plan(model: nn.Module, policy: PolicyLike, *, strict: bool = False, _stackle
             f"{model_type}.{hint}"
         )
     wrapped = [r for r in rows if r.action in WRAPPING_ACTIONS]
-    # a tiled module inside a checkpointed, selective or offloaded block is how the two compose; any
-    # other nesting runs a region inside another
+    # a tiled module inside a block with another action, and anything inside an offloaded module
+    # (whose region then holds what the inner regions keep), is how they compose; any other
+    # nesting runs a region inside another
     nested = [(o.fqn, r.fqn) for o in wrapped for r in wrapped
-              if _under(r.fqn, o.fqn) and not (r.action == "tile" and o.action != "tile")]
+              if _under(r.fqn, o.fqn) and not (r.action == "tile" and o.action != "tile") and o.action != "offload"]
     recomputing = [r.fqn for r in wrapped if r.action in RECOMPUTING_ACTIONS]
     moe_hit = sorted({m for m in moe_fqns for w in recomputing if m == w or _under(m, w) or _under(w, m)})
     result = Plan(rows, policy=table, unmatched=unmatched, nested=nested, moe_recomputed=moe_hit, model_type=model_type)

@@ -3,7 +3,8 @@
 A :class:`Predicate` is a named callable with an optional config form (``spec``), so that a
 table using it prints readably (``moe | inside(moe)``) and converts to and from plain data.
 Built-in predicates recognise modules by *structure* (see :mod:`ac_policies.structure`):
-``moe``, ``attention``, ``linear_attention``, ``norm``, ``dense_mlp``, ``decoder_block``.
+``moe``, ``attention``, ``linear_attention``, ``norm``, ``dense_mlp``, ``decoder_block``,
+``decoder_stack``.
 
 Parameterised predicates: ``layers(start, stop)`` (the first integer component of the name,
 ``start <= i < stop``) and ``inside(pred)`` (some strict ancestor satisfies ``pred``). Combine
@@ -19,6 +20,7 @@ from torch import nn
 from .structure import (
     is_attention,
     is_decoder_block,
+    is_decoder_stack,
     is_dense_mlp,
     is_linear_attention,
     is_moe,
@@ -211,6 +213,7 @@ NAMED_PREDICATES: dict[str, Predicate] = {
     "norm": Predicate(is_norm, "norm", "norm"),
     "dense_mlp": Predicate(is_dense_mlp, "dense_mlp", "dense_mlp"),
     "decoder_block": Predicate(is_decoder_block, "decoder_block", "decoder_block"),
+    "decoder_stack": Predicate(is_decoder_stack, "decoder_stack", "decoder_stack"),
 }
 _BUILTIN = frozenset(NAMED_PREDICATES)
 

@@ -27,10 +27,14 @@
   decision are saved, so routing never changes between forward and recompute.
 - ``long_context``: ``full``, plus every position-wise feed-forward tiled (``tiles="auto"``): each
   dense MLP outside a MoE block, and each MoE block (its shared experts inside it are tiled with
-  it), and every norm outside the blocks (the final norm, whose fp32 copies of its input backward
-  keeps). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and
+  it), and every norm of the blocks and after them (each keeps fp32 copies of its input for
+  backward; norms inside attention or an MLP are left to them). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and
   there the MLP's ``[tokens, intermediate]`` tensors; tiled, they exist for one slice at a time
   (:mod:`ac_policies.tile`).
+- ``long_context_offload``: ``long_context`` with the decoder stack (the module holding the blocks)
+  under ``offload``: on CUDA, what the checkpointed blocks keep (each block's input) waits for
+  backward in host memory, as ALST's checkpoint offload does. Off CUDA the offload rule keeps
+  activations where they are (one warning).
 - ``none``: nothing is checkpointed.
 
 Names are normalised (case, ``-``/``_``/spaces); ``True`` means ``full`` and ``False``/``None``
@@ -79,15 +83,19 @@ _NON_MOE_NO_ATTN = Policy(
 _NONE = Policy((), name="none")
 # a feed-forward that runs position-wise: a MoE block, or a dense MLP that is not part of one
 _FEED_FORWARD = any_of(P["moe"], all_of(P["dense_mlp"], not_(inside(P["moe"]))))
-# the final norm: outside every block, it keeps fp32 copies of its input for backward
-_OUTSIDE_BLOCKS_NORM = all_of(P["norm"], not_(inside(P["decoder_block"])))
+# the norms of the blocks and the final norm: each keeps fp32 copies of its input for backward
+_BLOCK_NORMS = _block_norm
 _LONG_CONTEXT = Policy(
     (
         Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),
         Rule(when=_FEED_FORWARD, action="tile", tiles="auto", on_unmatched="error"),
-        Rule(when=_OUTSIDE_BLOCKS_NORM, action="tile", tiles="auto", on_unmatched="ignore"),
+        Rule(when=_BLOCK_NORMS, action="tile", tiles="auto", on_unmatched="ignore"),
     ),
     name="long_context",
+)
+_LONG_CONTEXT_OFFLOAD = Policy(
+    (Rule(when="decoder_stack", action="offload", on_unmatched="error"), *_LONG_CONTEXT.rules),
+    name="long_context_offload",
 )
 
 # torchtitan's op-level SAC save set, as read in torchtitan/distributed/activation_checkpoint.py
@@ -154,6 +162,7 @@ PRESETS: Mapping[str, Policy] = MappingProxyType(
         "op_sac": _OP_SAC,
         "keep_router": _KEEP_ROUTER,
         "long_context": _LONG_CONTEXT,
+        "long_context_offload": _LONG_CONTEXT_OFFLOAD,
         "none": _NONE,
     }
 )

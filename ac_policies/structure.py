@@ -14,6 +14,8 @@ Never by model family, so stock Hugging Face models work without per-family code
 - ``norm``: a normalisation layer holding only 1-D parameters.
 - ``dense_mlp``: a feed-forward with two projections (``up_proj``/``down_proj``, ``fc1``/``fc2``,
   ``linear_fc1``/``linear_fc2``, ...), never a MoE block.
+- ``decoder_stack``: the module holding the decoder blocks: a child ``nn.ModuleList`` whose items
+  are all decoder blocks (``model.model`` of a Hugging Face causal LM).
 - ``decoder_block``: a repeated block as Hugging Face checkpoints it: an instance of its
   gradient-checkpointing layer class (found by class name in the MRO, no import), or a class
   named in ``_no_split_modules`` of the model or a sub-model (vision towers included) that holds
@@ -42,6 +44,7 @@ __all__ = [
     "is_norm",
     "is_dense_mlp",
     "is_decoder_block",
+    "is_decoder_stack",
 ]
 
 # The model being planned, and the class names its (sub-)models keep unsplit.
@@ -185,3 +188,12 @@ def is_decoder_block(fqn: str, module: nn.Module) -> bool:
     in_list = fqn.rpartition(".")[2].isdigit()
     parts = [n for n, m in kids.items() if _is_mixer(n, m) or _is_ffn(n, m)]
     return in_list and len(parts) == 1 and any(is_norm(n, m) for n, m in kids.items())
+
+
+def is_decoder_stack(fqn: str, module: nn.Module) -> bool:
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList) and len(child):
+            prefix = f"{fqn}.{name}" if fqn else name
+            if all(is_decoder_block(f"{prefix}.{i}", block) for i, block in enumerate(child)):
+                return True
+    return False

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..fake import fake_model
+from ..offload import modelling_offload
 from ..seam import unpacked_rows_on_fakes
 from .fsdp import fsdp_peak
 from .result import MemoryEstimate, format_bytes
@@ -96,6 +98,8 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
             many views). ``"cuda"``: each storage rounded up to 512 bytes, as the CUDA caching
             allocator rounds a request (segments, caching and fragmentation are not modelled).
             The ops run as fake CPU tensors either way (sdpa picks the CPU kernel's outputs).
+            With ``"cuda"``, ``offload`` rules are modelled (:func:`ac_policies.offload.modelled_offload`):
+            what they offload is in host memory, and comes back in backward as it is used.
 
     Returns:
         A :class:`MemoryEstimate` (bytes per process). Not counted: allocator fragmentation and
@@ -110,7 +114,8 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
     """
     _check(model, step, world_size)
     kind, size_of = _size_of(device)
-    with fake_model(model), unpacked_rows_on_fakes():
+    offload = modelling_offload() if kind == "cuda" else contextlib.nullcontext()
+    with fake_model(model), unpacked_rows_on_fakes(), offload:
         ts = trace_step(model, step, optimizer, size_of=size_of)
         return _summarise(model, ts, world_size, kind, True, size_of, offload_params)
 

@@ -1,6 +1,7 @@
 """``longest_context(model, make_step, budget)``: the longest sequence whose training step fits a
 per-process memory budget, searched on fake tensors, for the model as it is and for the plan the
-library recommends (the ``long_context`` policy and the hidden-state loss).
+library recommends (the ``long_context`` policy, with checkpoint offload on CUDA, and the
+hidden-state loss).
 
 The search doubles the length from ``start`` until a step no longer fits, then halves the gap
 until the shortest length reported as too long is at most ``resolution`` times the longest that
@@ -18,6 +19,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from ..apply import apply_policy, policy_of
+from ..plan import ACPolicyWarning
+from ..seam import apply_loss_patch
 from .api import Step, estimate
 from .depth import decoder_layout, estimate_at_depth
 from .result import MemoryEstimate, format_bytes
@@ -125,18 +129,17 @@ def _search(run: Callable[[int], MemoryEstimate], budget: int, start: int, max_t
     return lo, fits.get(lo), hi, over.get(hi)
 
 
-def _recommended(model: nn.Module) -> tuple[list[Any], list[str]]:
-    """Apply what the recommended plan adds to ``model`` (long_context, the hidden-state loss) where
-    it is not there yet; the handles and the names of what was added."""
-    import ac_policies
-    from ac_policies.seam import apply_loss_patch
-
+def _recommended(model: nn.Module, device: Optional[str]) -> tuple[list[Any], list[str]]:
+    """Apply what the recommended plan adds to ``model`` (``long_context``, with checkpoint offload
+    on CUDA: ``long_context_offload``; the hidden-state loss) where it is not there yet; the
+    handles and the names of what was added."""
     handles, added = [], []
-    if ac_policies.policy_of(model) is None:
+    if policy_of(model) is None:
+        preset = "long_context_offload" if device == "cuda" else "long_context"
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            handles.append(ac_policies.apply_policy(model, "long_context"))
-        added.append("long_context")
+            warnings.simplefilter("ignore", ACPolicyWarning)
+            handles.append(apply_policy(model, preset))
+        added.append(preset)
     try:
         handle = apply_loss_patch(model, "linear")
     except (ValueError, RuntimeError) as exc:  # a loss patch is there already
@@ -150,7 +153,7 @@ def _recommended(model: nn.Module) -> tuple[list[Any], list[str]]:
 def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, str], *, world_size: int = 1,
                     device: Optional[str] = "cuda", optimizer: Any = "adamw", offload_params: bool = False,
                     start: int = 1024,
-                    max_tokens: int = 1 << 22, resolution: float = 1.125, recommend: bool = True,
+                    max_tokens: int = 1 << 22, resolution: float = 1.25, recommend: bool = True,
                     full_depth: bool = False) -> LongestContext:
     """The longest sequence whose training step of ``model`` fits ``budget`` bytes per process.
 
@@ -165,7 +168,8 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         resolution: the search stops when the shortest length too long is at most this times the
             longest that fits (lengths are multiples of ``start``'s largest power of two up to 256).
         recommend: also answer for the recommended plan: the model with the ``long_context`` policy
-            (unless it has a policy already) and the hidden-state loss (unless it has a loss patch).
+            (``long_context_offload`` for ``device="cuda"``: the blocks' checkpoints in host memory),
+            unless it has a policy already, and the hidden-state loss, unless it has a loss patch.
         full_depth: trace every length at full depth; by default a decoder whose blocks repeat is
             traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`).
 
@@ -197,7 +201,7 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
 
     rows = [answer("as is")]
     if recommend:
-        handles, added = _recommended(model)
+        handles, added = _recommended(model, device)
         try:
             if added:
                 rows.append(answer("+ " + " + ".join(added)))
