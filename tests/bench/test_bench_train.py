@@ -298,3 +298,33 @@ def test_bench_train_section_end_to_end():
         assert s["probes"], name
         if s["longest"] is not None:
             assert [s["longest"], True] in [list(p) for p in s["probes"]]
+
+
+def test_planned_context_table_checks_each_answer_with_measured_steps(monkeypatch):
+    """The planned-context table on fake workers: each plan's answer and its too-long length are
+    measured, the estimate's error printed beside them, the ratio of the answers in the notes."""
+    import bench.sections.train.planned as tp
+
+    answers = {"stock+hf_gc": (1000, 1200), "library": (9000, 11000)}
+    measured = []
+
+    def fake_call(target, spec, timeout):
+        if target is tp.search_worker:
+            tokens, too_long = answers[spec["plan"]]
+            return {"static": 100 * MIB, "budget": 100 * MIB + spec["above_static"], "tokens": tokens,
+                    "too_long": too_long, "peak": 1000 * MIB, "over_peak": 1200 * MIB, "limit": "activations",
+                    "seconds": 3.0}
+        measured.append((spec["plan"], spec["tokens"]))
+        fits = spec["tokens"] == answers[spec["plan"]][0]
+        return {"measured": (1050 if fits else 1250) * MIB, "estimated": 0, "static": 100 * MIB, "seconds": 2.0,
+                "phase": "backward", "module": "model.layers.3.mlp"}
+
+    monkeypatch.setattr(tp.isolated, "call", fake_call)
+    table, data = tp.planned_context_table("qwen3-0.6b", None, "bfloat16", "cmd", 60.0, tick=lambda m: None,
+                                           above_static=1024 * MIB)
+    assert sorted(measured) == sorted((p, t) for p, pair in answers.items() for t in pair)
+    assert [r[:3] for r in table.rows] == [["stock+hf_gc", "fits", 1000], ["stock+hf_gc", "too long", 1200],
+                                           ["library", "fits", 9000], ["library", "too long", 11000]]
+    assert table.rows[0][5] == f"{(1000 - 1050) / 1050:+.1%}" and table.rows[0][6] == "yes"
+    assert table.rows[1][6] == "no"
+    assert any("9.00x (target >= 8x)" in note for note in table.notes)

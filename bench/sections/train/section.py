@@ -44,6 +44,7 @@ from bench.sections.train.data import DISTRIBUTION
 from bench.sections.train.longest import DEFAULT_BUDGET, DEFAULT_LIMIT, longest_context_table
 from bench.sections.train.meter import phase_peaks, what_holds
 from bench.sections.train.models import FULL_MODELS, QUICK_MODELS, model_entry
+from bench.sections.train.planned import planned_context_table, projection_table
 from bench.sections.train.variant_table import (
     DESCRIPTIONS,
     LOSS_TOLERANCE,
@@ -76,8 +77,8 @@ FULL_LAYERS = {"qwen3-0.6b": 2, "mistral-7b": 1, "llama3.1-8b": 1, "qwen3-30b-a3
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--train-full", action="store_true", help="this section as --full runs it")
-    group.add_argument("--train-models", nargs="+", metavar="MODEL",
-                       help=f"models (default {' '.join(QUICK_MODELS)}; --full: {' '.join(FULL_MODELS)})")
+    group.add_argument("--train-models", nargs="*", metavar="MODEL",
+                       help=f"models (default {' '.join(QUICK_MODELS)}; --full: {' '.join(FULL_MODELS)}; none: no model tables)")
     group.add_argument("--train-variants", nargs="+", metavar="VARIANT",
                        help=f"variants of {', '.join(VARIANTS)} (default {' '.join(QUICK_VARIANTS)}; --full: all; "
                             "the sft ones need TRL)")
@@ -99,6 +100,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"memory budget of the context search: '{DEFAULT_BUDGET}' on top of the static state "
                             "(parameters, gradients, optimizer state; default), or '6GiB' in all")
     group.add_argument("--train-context-limit", type=int, help=f"longest context probed (default {DEFAULT_LIMIT})")
+    group.add_argument("--train-planned", choices=["on", "off"],
+                       help="the longest context planned by ac_policies.longest_context at full depth, checked by "
+                            "measured steps (default off; --full on)")
+    group.add_argument("--train-planned-layers", type=int,
+                       help="decoder layers of the planned-context model (default: the published depth)")
+    group.add_argument("--train-projection", choices=["on", "off"],
+                       help="the estimated longest context of Llama-3.1-8B and Qwen3-30B-A3B on 80 GiB devices "
+                            "(default off; --full on)")
     group.add_argument("--train-timeout", type=float, default=1800.0, help="seconds before a run counts as failed")
     group.add_argument("--train-cache", type=Path, metavar="DIR",
                        help="keep each run's result in DIR and reuse those already there for the same settings "
@@ -121,6 +130,8 @@ def resolved(args: argparse.Namespace) -> argparse.Namespace:
         train_variants_given=bool(g("train_variants")), train_full_run=full, train_sft_models=g("train_sft_models") or SFT_MODELS, train_docs=pick(a, g("train_docs"), 2, 4),
         train_row=pick(a, g("train_row"), 128, 256), train_context=pick(a, g("train_context"), "off", "on"),
         train_context_models=g("train_context_models") or ["qwen3-0.6b"],
+        train_planned=pick(a, g("train_planned"), "off", "on"), train_projection=pick(a, g("train_projection"), "off", "on"),
+        train_planned_layers=g("train_planned_layers"),
         train_context_limit=g("train_context_limit") or DEFAULT_LIMIT, train_lr=g("train_lr") or 1e-4,
         train_budget=g("train_budget") or DEFAULT_BUDGET, train_timeout=g("train_timeout") or 1800.0,
         full=is_full(args),
@@ -164,7 +175,9 @@ def count(args: argparse.Namespace) -> int:
     """Progress steps: one per variant run, about eight per context search."""
     a, _ = resolved(args)
     runs = sum(len(_variant_names(a, m)) for m in a.train_models)
-    return runs + (16 * len(a.train_context_models) if a.train_context == "on" else 0)
+    planned = 6 * len(a.train_context_models) if a.train_planned == "on" else 0
+    projected = 8 if a.train_projection == "on" else 0
+    return runs + (16 * len(a.train_context_models) if a.train_context == "on" else 0) + planned + projected
 
 
 def _spec(args: argparse.Namespace, model: str, layers: int, variant: Variant, data: dict[str, Any]) -> dict[str, Any]:
@@ -286,4 +299,15 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
                 args, model, layers, lambda v, d, m=model, n=layers: _spec(args, m, n, v, d),
                 _command(args, full) + f" --train-context-models {model}", tick)
             tables.append(t)
+    if args.train_planned == "on":
+        for model in args.train_context_models:
+            command = f"python -m bench --only train --train-models --train-planned on --train-context-models {model}"
+            t, data.setdefault("planned", {})[model] = planned_context_table(
+                model, args.train_planned_layers, "bfloat16" if dtypes(args)["train"].dtype == "bf16" else "float32",
+                command, args.train_timeout, tick)
+            tables.append(t)
+    if args.train_projection == "on":
+        t, data["projection"] = projection_table("python -m bench --only train --train-models --train-projection on",
+                                                 args.train_timeout, tick)
+        tables.append(t)
     return Section(name="train", tables=tables, data=data)

@@ -42,6 +42,8 @@ VARIANTS: dict[str, Variant] = {
     "packing": Variant(packing=True),
     "hidden_loss+ac:full": Variant(hidden_loss=True, policy="full"),
     "all": Variant(packing=True, hidden_loss=True, policy="full"),
+    "hidden_loss+ac:long_context": Variant(hidden_loss=True, policy="long_context"),
+    "all:long_context": Variant(packing=True, hidden_loss=True, policy="long_context"),
     **SFT_VARIANTS,
 }
 MOE_ONLY = frozenset({"ac:non_moe"})
@@ -56,6 +58,8 @@ DESCRIPTIONS = {
     "packing": "enable_packing(model=model) + PackingCollator instead of padding",
     "hidden_loss+ac:full": "enable_linear_cross_entropy + apply_policy('full'), padded batches (all without packing)",
     "all": "packing + enable_linear_cross_entropy + apply_policy('full')",
+    "hidden_loss+ac:long_context": "enable_linear_cross_entropy + apply_policy('long_context') (full + tiled MLPs and norms)",
+    "all:long_context": "packing + enable_linear_cross_entropy + apply_policy('long_context')",
     **SFT_DESCRIPTIONS,
 }
 #: Relative tolerance of a step's loss against stock's, by the dtype the run trains in.

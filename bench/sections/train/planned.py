@@ -1,0 +1,195 @@
+"""The ``train`` section's planned longest context: :func:`ac_policies.longest_context` at the published
+depth, checked by measured steps, and a projection for GPU-sized models.
+
+1. :func:`planned_context_table`: for a model at full depth (Qwen3-0.6B's 28 layers by default),
+   the longest context whose step fits the same budget above the static state (parameters,
+   gradients, AdamW state), estimated on fake tensors for stock with Hugging Face checkpointing and
+   for the library (the ``long_context`` policy and the hidden-state loss). Each answer is checked
+   by real steps (:func:`ac_policies.estimate.measure_step`, the estimate's ground truth: every
+   tensor alive, the loss operators' chunk workspace included) at the answer and at the length the
+   search reported as too long, each in its own process, with the estimate's error beside them.
+2. :func:`projection_table`: Llama-3.1-8B and Qwen3-30B-A3B on one 80 GiB device and on 8 with FSDP2,
+   stock with Hugging Face checkpointing against the library, estimated only (CUDA allocator
+   rounding, checkpoint offload modelled, parameters in host memory on one device as ALST places
+   them). It says "estimated, not measured" until ``bench/gpu_check.sh``'s CUDA step has run it.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench.harness import isolated
+from bench.harness.report import Table, ratio
+from bench.sections.train.models import model_entry
+
+MIB = 2**20
+GIB = 2**30
+#: The full-depth search's budget above the static state, and its first length.
+PLANNED_BUDGET_ABOVE_STATIC = 1 * GIB
+START = 256
+TARGET_RATIO = 8.0
+PROJECTED = ("llama3.1-8b", "qwen3-30b-a3b")
+
+PLANS = {
+    "stock+hf_gc": "Transformers' loss, Hugging Face gradient checkpointing",
+    "library": "apply_policy('long_context') + enable_linear_cross_entropy",
+}
+
+
+def _model(name: str, layers: Optional[int], dtype: torch.dtype, meta: bool, seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    entry = model_entry(name)
+    values = {**entry.config, "use_cache": False}
+    if layers:
+        values["num_hidden_layers"] = layers
+    config = transformers.AutoConfig.for_model(entry.model_type, **values)
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=entry.attention, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=entry.attention, dtype=dtype)
+    return model.train()
+
+
+def _prepared(name: str, plan: str, layers: Optional[int], dtype: torch.dtype, meta: bool,
+              offload: bool = False) -> torch.nn.Module:
+    import ac_policies
+    import model_patches
+
+    model = _model(name, layers, dtype, meta)
+    if plan == "stock+hf_gc":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model_patches.enable_linear_cross_entropy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            ac_policies.apply_policy(model, "long_context_offload" if offload else "long_context")
+    return model
+
+
+def _static(e: Any) -> int:
+    return e.params + e.buffers + e.grads + e.optimizer
+
+
+def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One plan's search on the meta model: the static bytes, the answer and the first length too long."""
+    import ac_policies
+    from ac_policies.estimate import token_step
+
+    dtype = getattr(torch, spec["dtype"])
+    model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True, offload=spec.get("offload", False))
+    vocab = model.config.vocab_size
+    kwargs = dict(device=spec["device"], world_size=spec.get("world_size", 1),
+                  offload_params=spec.get("offload_params", False))
+    static = _static(ac_policies.estimate(model, token_step(vocab)(START), **kwargs))
+    budget = spec.get("budget") or static + spec["above_static"]
+    start = time.perf_counter()
+    found = ac_policies.longest_context(model, token_step(vocab), budget, start=START, recommend=False,
+                                        max_tokens=spec.get("max_tokens", 1 << 21), **kwargs)
+    row = found.rows[0]
+    return {"static": static, "budget": budget, "tokens": row.tokens, "too_long": row.too_long,
+            "peak": row.fits.peak if row.fits else None, "over_peak": row.over.peak if row.over else None,
+            "limit": row.limit, "seconds": time.perf_counter() - start}
+
+
+def measure_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One real step of a plan at ``spec["tokens"]`` (real weights): the measured peak and the estimate."""
+    import ac_policies
+    from ac_policies.estimate import measure_step, token_step
+
+    dtype = getattr(torch, spec["dtype"])
+    model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=False)
+    step = token_step(model.config.vocab_size)(spec["tokens"])
+    start = time.perf_counter()
+    real = measure_step(model, step)
+    seconds = time.perf_counter() - start
+    est = ac_policies.estimate(model, step)
+    return {"measured": real.peak, "estimated": est.peak, "static": _static(real), "seconds": seconds,
+            "phase": real.peak_phase, "module": real.peak_module}
+
+
+def planned_context_table(model: str, layers: Optional[int], dtype: str, command: str, timeout: float,
+                          tick: Callable[[str], None], above_static: int = PLANNED_BUDGET_ABOVE_STATIC
+                          ) -> tuple[Table, dict[str, Any]]:
+    """:func:`ac_policies.longest_context` for stock+hf_gc and the library at ``layers`` (None: the
+    published depth), checked by measured steps at each answer and each too-long length."""
+    found: dict[str, Any] = {}
+    rows = []
+    for plan in PLANS:
+        tick(f"train planned context {model} {plan}")
+        spec = {"model": model, "plan": plan, "layers": layers, "dtype": dtype, "device": None,
+                "above_static": above_static}
+        s = isolated.call(search_worker, spec, timeout=timeout)
+        checks = {}
+        for label, tokens in (("fits", s["tokens"]), ("too long", s["too_long"])):
+            if tokens:
+                tick(f"train planned context {model} {plan} {tokens}")
+                checks[label] = isolated.call(measure_worker, {**spec, "tokens": tokens}, timeout=timeout)
+        found[plan] = {"search": s, "checks": checks}
+        for label, tokens in (("fits", s["tokens"]), ("too long", s["too_long"])):
+            m = checks.get(label)
+            est = s["peak"] if label == "fits" else s["over_peak"]
+            rows.append([
+                plan, label, tokens, None if est is None else (est - s["static"]) / MIB,
+                None if m is None else (m["measured"] - m["static"]) / MIB,
+                None if m is None or est is None else f"{(est - m['measured']) / m['measured']:+.1%}",
+                None if m is None else ("yes" if m["measured"] <= s["budget"] else "no"),
+                None if m is None else round(m["seconds"], 1),
+                s["limit"] if label == "too long" else f"search {s['seconds']:.0f} s",
+            ])
+    stock, lib = (found[p]["search"]["tokens"] for p in PLANS)
+    got = ratio(lib, stock)
+    notes = [
+        f"{model} at {'its published depth' if not layers else f'{layers} layers'} ({dtype}, sdpa, random "
+        "weights), one row of the given length, AdamW; budget: the static state (parameters, gradients, AdamW "
+        f"state) + {above_static / MIB:.0f} MiB, the same for both plans",
+        "estimated: ac_policies.longest_context on the meta model (fake tensors, every length traced or "
+        "extrapolated from two shallow copies of the model); measured: one real step in its own process, every "
+        "tensor alive counted (ac_policies.estimate.measure_step), the loss operators' chunk workspace included",
+        f"library / stock longest context: {'-' if got is None else f'{got:.2f}'}x (target >= {TARGET_RATIO:g}x)",
+        "the peer's pieces (DeepSpeed's TiledMLP and TiledFusedLogitsLoss) are not in this table",
+        *(f"{p}: {d}" for p, d in PLANS.items()),
+    ]
+    table = Table(title=f"train: {model}, longest context planned before launch, checked by measured steps",
+                  columns=["plan", "length", "tokens", "estimated peak above static (MiB)",
+                           "measured peak above static (MiB)", "estimate error", "fits the budget (measured)",
+                           "measured step (s)", "what limits it / search time"],
+                  rows=rows, command=command, baseline="stock+hf_gc", notes=notes)
+    return table, found
+
+
+def projection_table(command: str, timeout: float, tick: Callable[[str], None], measured: bool = False
+                     ) -> tuple[Table, dict[str, Any]]:
+    """Llama-3.1-8B and Qwen3-30B-A3B (bf16) on one 80 GiB device (parameters, gradients and optimizer
+    state in host memory for the library, as ALST places them) and on 8 with FSDP2, estimated."""
+    cases = [("1 x 80 GiB", 1, True), ("8 x 80 GiB, FSDP2", 8, False)]
+    rows, found = [], {}
+    for model in PROJECTED:
+        for where, world, offload_params in cases:
+            for plan in PLANS:
+                tick(f"train projection {model} {where} {plan}")
+                library = plan == "library"
+                spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
+                        "budget": 80 * GIB, "world_size": world, "offload": library,
+                        "offload_params": offload_params and library, "max_tokens": 1 << 22}
+                s = isolated.call(search_worker, spec, timeout=timeout)
+                found[(model, where, plan)] = s
+                place = "parameters, gradients, AdamW in host memory; checkpoints offloaded" if spec["offload_params"] \
+                    else ("checkpoints offloaded" if library else "all on the device")
+                rows.append([model, where, plan, place, s["tokens"], s["too_long"], s["limit"]])
+    notes = ["estimated, not measured" if not measured else "measured on CUDA by bench/gpu_check.sh",
+             "ac_policies.longest_context with device='cuda' (512-byte allocator rounding; fragmentation, the CUDA "
+             "context and library workspaces not counted), AdamW, one row, sdpa",
+             "stock+hf_gc keeps everything on the device; the library uses long_context_offload (block inputs in host "
+             "memory) and the hidden-state loss, and on one device FSDP2's CPUOffloadPolicy (one block's bf16 "
+             "parameters gathered at a time)"]
+    table = Table(title="train: longest context projected for GPU-sized models (estimated, not measured)",
+                  columns=["model", "devices", "plan", "placement", "longest context", "too long", "what limits it"],
+                  rows=rows, command=command, baseline="stock+hf_gc", notes=notes)
+    return table, {f"{m}|{w}|{p}": v for (m, w, p), v in found.items()}
