@@ -164,6 +164,8 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                     f"and flash_attention_*, got attn_implementation={impl!r}; switch the model to "
                     "one of those"
                 )
+            if impl in ("sdpa", "eager"):
+                _say_mask_bytes(impl, embeds)
             return _same_document_call(original, args, kwargs, params, ids.to(mask.device), cache)
 
         packed_mask._packing_original = original  # type: ignore[attr-defined]
@@ -171,6 +173,26 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
         return packed_mask
 
     return build
+
+
+#: A dense packed mask at least this large is reported once per process (it is O(tokens^2)).
+LARGE_MASK_BYTES = 256 * 2**20
+_mask_reported = False
+
+
+def _say_mask_bytes(impl: str, embeds: torch.Tensor) -> None:
+    """Log once per process when sdpa or eager gets a dense ``[B, 1, T, T]`` packed mask of at least
+    :data:`LARGE_MASK_BYTES`, with the backends that take the documents instead."""
+    global _mask_reported
+    batch, tokens = int(embeds.shape[0]), int(embeds.shape[1])
+    size = batch * tokens * tokens * (1 if impl == "sdpa" else embeds.element_size())
+    if _mask_reported or size < LARGE_MASK_BYTES:
+        return
+    _mask_reported = True
+    logger.warning(
+        "packing: %s needs a dense [%d, 1, %d, %d] document mask per mask call (%.0f MiB, growing with the square "
+        "of the tokens); flex_attention (block masks) and flash_attention_2/3 (per-document cu_seqlens) take the "
+        "documents without it", impl, batch, tokens, tokens, size / 2**20)
 
 
 def _same_document_call(

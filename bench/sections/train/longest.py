@@ -3,7 +3,7 @@
 Per model, :func:`longest_context_table` searches (:func:`bench.sections.train.context.longest_fitting`:
 doubling, then bisection, never extrapolated) the longest context (one row of one document) whose
 measured step peak above the static state stays within ``--train-budget``, for stock with
-Hugging Face checkpointing and for the library (hidden-state loss + the ``full`` policy). Each
+Hugging Face checkpointing and for the library (hidden-state loss + the ``long_context`` policy). Each
 probe is a training run in its own process: a warm-up step of :data:`WARMUP_TOKENS` tokens (it
 creates AdamW's state and whatever a first call keeps), then one measured step at the probed
 length, so a probe costs about one step at that length.
@@ -27,7 +27,7 @@ from bench.sections.train.variant import Variant
 from bench.sections.train.variant_table import run_variant
 
 #: The pair the search compares: stock with Hugging Face checkpointing, and the library.
-CONTEXT_PAIR = {"stock+hf_gc": Variant(hf_gc=True), "library": Variant(hidden_loss=True, policy="full")}
+CONTEXT_PAIR = {"stock+hf_gc": Variant(hf_gc=True), "library": Variant(hidden_loss=True, policy="long_context")}
 #: Tokens of each probe's warm-up step (its first), the measured step being the second.
 WARMUP_TOKENS = 64
 #: The search's first length and its step.

@@ -16,7 +16,7 @@ documents (:mod:`bench.sections.train.data`), from the same weights, with the sa
 3. per model, the losses step by step;
 4. the longest context (one row, one document) whose measured step peak stays within
    ``--train-budget``, stock with Hugging Face checkpointing against the library (hidden-state
-   loss + the ``full`` policy), each probe its own process (:mod:`bench.sections.train.longest`), and the
+   loss + the ``long_context`` policy), each probe its own process (:mod:`bench.sections.train.longest`), and the
    two peaks at the longest context stock fits.
 
 The quick run: Qwen3-0.6B's widths with 1 layer, 3 steps of 2 documents, three variants (stock
