@@ -21,12 +21,14 @@ from bench.sections.ac import estimate_worker
 from bench.sections.ac.estimate_worker import FIT_BUDGET
 
 MIB = 2**20
-#: (family, policy or "fit", hidden-state loss)
+#: (family, policy or "fit", hidden-state loss[, vocabulary: SIZES' otherwise])
 CASES = [
     ("llama", "none", False), ("llama", "full", False), ("llama", "selective", True), ("llama", "fit", False),
     ("llama", "full", True),
     ("qwen3_moe", "none", False), ("qwen3_moe", "non_moe", True), ("qwen3_moe", "selective", False),
     ("qwen3_next", "none", False), ("qwen3_next", "full", True),
+    ("llama", "long_context", True), ("qwen3_moe", "long_context", False), ("qwen3_next", "long_context", True),
+    ("llama", "full", True, 151936), ("llama", "long_context", True, 151936),
 ]
 #: A dense model under a fitted table with the stock loss; a MoE model under a preset with the hidden-state loss.
 QUICK_CASES = [CASES[3], CASES[6]]
@@ -48,7 +50,7 @@ def _on(args: argparse.Namespace) -> bool:
     return getattr(args, "ac_estimate", "on") == "on"
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+def _cases(args: argparse.Namespace) -> list[tuple]:
     return (CASES if is_full(args) else QUICK_CASES) if _on(args) else []
 
 
@@ -72,22 +74,25 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> tuple[list[Tab
         return [], []
     seq = pick(args, getattr(args, "ac_estimate_seq", None), 512, 1024)
     rows, data = [], []
-    for family, policy, hidden in _cases(args):
+    for family, policy, hidden, *vocab in _cases(args):
         tick(f"ac estimate {family} {policy}")
-        r = run_case(family, policy, hidden, seq)
+        sizes = {**SIZES, "vocab_size": vocab[0]} if vocab else SIZES
+        r = run_case(family, policy, hidden, seq, sizes)
         data.append(r)
-        loss = "hidden-state" if hidden else "stock"
+        loss = ("hidden-state" if hidden else "stock") + (f", vocab {vocab[0]}" if vocab else "")
         if "error" in r:
-            rows.append([family, policy, loss, *[None] * 7, f"failed: {r['error']}", ""])
+            rows.append([family, policy, loss, *[None] * 8, f"failed: {r['error']}", ""])
             continue
         rows.append([family, policy, loss, r["estimated_peak"] / MIB, r["measured_peak"] / MIB,
+                     r.get("workspace", 0) / MIB,
                      ratio(r["estimated_peak"], r["measured_peak"]), r["estimated_step_extra"] / MIB,
                      r["rss_extra"] / MIB, ratio(r["estimated_step_extra"], r["rss_extra"]),
                      sum(r["seconds"].values()), r["peak_phase"], r["peak_module"]])
     sizes = SIZES
     table = Table(
         title=f"estimate (fake tensors) vs measured step peak, seq {seq}, AdamW, 1 process, each case its own process",
-        columns=["family", "policy", "loss", "estimated peak (MiB)", "measured live peak (MiB)", "x measured",
+        columns=["family", "policy", "loss", "estimated peak (MiB)", "measured live peak (MiB)",
+                 "loss chunk workspace (MiB)", "x measured",
                  "estimated above params+opt (MiB)", "RSS peak above baseline (MiB)", "x RSS", "case (s)",
                  "peak phase", "peak module"],
         rows=rows, keys=3,

@@ -129,7 +129,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     real = measure_step(model, step)
     seconds["measured"] = time.perf_counter() - clock
     held = est.params + est.buffers + est.optimizer
-    return {**spec, "estimated_peak": est.peak, "measured_peak": real.peak, "estimated_step_extra": est.peak - held,
+    return {**spec, "estimated_peak": est.peak, "measured_peak": real.peak, "workspace": est.workspace,
+            "estimated_step_extra": est.peak - held,
             "measured_step_extra": real.peak - held, "held": held, "grads": est.grads,
             "peak_phase": est.peak_phase, "peak_module": est.peak_module,
             "seconds": seconds, **rss}
