@@ -328,3 +328,22 @@ def test_planned_context_table_checks_each_answer_with_measured_steps(monkeypatc
     assert table.rows[0][5] == f"{(1000 - 1050) / 1050:+.1%}" and table.rows[0][6] == "yes"
     assert table.rows[1][6] == "no"
     assert any("9.00x (target >= 8x)" in note for note in table.notes)
+
+
+def test_headline_table_compares_the_library_with_stock_at_one_length(monkeypatch):
+    import bench.sections.train.headline as th
+
+    seen = []
+
+    def fake_run_variant(spec, timeout, cache=None):
+        seen.append((spec["variant"]["policy"], spec["data"]))
+        return _fake_run(12.0, 750.0) if spec["variant"]["hidden_loss"] else _fake_run(10.0, 1000.0)
+
+    monkeypatch.setattr(th, "run_variant", fake_run_variant)
+    table, results = th.headline_table("qwen3-0.6b", 28, 2048, 3, "fp32",
+                                       lambda v, d: {"variant": vars(v), "data": d}, "cmd", 60.0, lambda m: None)
+    assert [p for p, _ in seen] == [None, "long_context"]
+    assert all(d == {"steps": 3, "context": 2048, "warmup": th.WARMUP_TOKENS} for _, d in seen)
+    stock, library = table.rows
+    assert library[2] == pytest.approx(1.2) and library[4] == pytest.approx(0.75) and library[6] == "yes"
+    assert "28 layers" in table.title

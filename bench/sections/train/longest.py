@@ -113,7 +113,7 @@ def longest_context_table(args: argparse.Namespace, model: str, layers: int, spe
     context_ratio = ratio(lib_search.longest, stock_longest)
     static_total = next((sum(r["static"].values()) for r in probes.values() if "static" in r), None)
     notes = [
-        "library: enable_linear_cross_entropy + apply_policy('full'); stock+hf_gc: Transformers' own loss with "
+        "library: enable_linear_cross_entropy + apply_policy('long_context'); stock+hf_gc: Transformers' own loss with "
         "TrainingArguments(gradient_checkpointing=True)",
         f"each probe its own process: one row of one document, a warm-up step of {WARMUP_TOKENS} tokens, then one "
         "measured step at the probed length; a probe that exceeds the budget, fails or times out does not fit",

@@ -41,6 +41,7 @@ from bench.harness.modes import is_full, override, pick
 from bench.harness.report import Section, Table, ratio
 from bench.sections.train.compare import comparison_table
 from bench.sections.train.data import DISTRIBUTION
+from bench.sections.train.headline import headline_table
 from bench.sections.train.longest import DEFAULT_BUDGET, DEFAULT_LIMIT, longest_context_table
 from bench.sections.train.meter import phase_peaks, what_holds
 from bench.sections.train.models import FULL_MODELS, QUICK_MODELS, model_entry
@@ -100,6 +101,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"memory budget of the context search: '{DEFAULT_BUDGET}' on top of the static state "
                             "(parameters, gradients, optimizer state; default), or '6GiB' in all")
     group.add_argument("--train-context-limit", type=int, help=f"longest context probed (default {DEFAULT_LIMIT})")
+    group.add_argument("--train-headline", type=int, metavar="TOKENS",
+                       help="also run stock+hf_gc and the library on one row of TOKENS tokens (the README's headline "
+                            "rows; with --train-layers 28 for Qwen3-0.6B's published depth)")
     group.add_argument("--train-planned", choices=["on", "off"],
                        help="the longest context planned by ac_policies.longest_context at full depth, checked by "
                             "measured steps (default off; --full on)")
@@ -298,6 +302,16 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             t, data["context"][model] = longest_context_table(
                 args, model, layers, lambda v, d, m=model, n=layers: _spec(args, m, n, v, d),
                 _command(args, full) + f" --train-context-models {model}", tick)
+            tables.append(t)
+    if getattr(args, "train_headline", None):
+        for model in args.train_context_models:
+            layers = _layers(args, model, full)
+            command = (f"python -m bench --only train --train-models --train-headline {args.train_headline} "
+                       f"--train-layers {layers} --train-steps {args.train_steps} --train-context-models {model}")
+            t, data.setdefault("headline", {})[model] = headline_table(
+                model, layers, args.train_headline, args.train_steps, dtypes(args)["train"].dtype,
+                lambda v, d, m=model, n=layers: _spec(args, m, n, v, d), command, args.train_timeout, tick,
+                getattr(args, "train_cache", None))
             tables.append(t)
     if args.train_planned == "on":
         for model in args.train_context_models:
