@@ -61,6 +61,7 @@ DEFAULT_TESTS = [
     "tests/model_patches/packing/test_packing_compile.py",        # compiled attention masks, fullgraph
     "tests/ac_policies/test_ac_op_sac.py",                # selective checkpointing contexts
     "tests/ac_policies/test_ac_compose.py",               # policies under torch.compile and FSDP2
+    "tests/ac_policies/test_ac_tile.py",                  # per-slice checkpoint regions, compiled blocks
 ]
 
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]

@@ -48,13 +48,15 @@ DEFAULT_RELEASES = ["4.57.6", "5.22.2", "5.25.0"]
 
 # What runs per release: the whole oracle except FlexAttention (its CPU compile costs ~10-40 s
 # per family and release; flex runs for llama on every release and for all families in the
-# main run), plus the registry checks, the collator's refusal and Trainer's resume on that release.
+# main run), plus the registry checks, the collator's refusal, Trainer's resume and the tiled
+# feed-forwards (whose router outputs each release records its own way) on that release.
 TESTS = [
     "tests/model_patches/packing/test_packing.py",
     "tests/model_patches/packing/test_packing_registry.py",
     "tests/model_patches/packing/test_packing_generation.py",
     "tests/model_patches/packing/test_collator_leak.py",
     "tests/model_patches/test_checkpoint_resume.py",
+    "tests/ac_policies/test_ac_tile.py",  # MoE router outputs recorded per release (block output or hooks)
 ]
 DEFAULT_K = "not flex_attention or llama"
 #: The files of a release run two at a time (pytest-xdist, from the test extra), one worker per core.

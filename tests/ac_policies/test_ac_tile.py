@@ -183,9 +183,15 @@ def test_a_module_called_with_two_tensors_is_refused_at_its_call():
             model.mlp(torch.randn(1, 6, 4), torch.randn(1, 6, 1))
 
 
-def test_tiled_blocks_compile_into_one_graph():
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_tiled_blocks_compile_into_one_graph(family):
     """``fullgraph=True`` per block, a tiled MLP inside a checkpointed block: no graph break, the same gradients."""
-    model = tiny_ac_model("qwen3_moe", use_cache=False)
+    import transformers
+
+    if family == "qwen3_moe" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("Transformers 4.x's Qwen3-MoE block loops over the experts hit (data-dependent): it does not "
+                    "compile with fullgraph=True, tiled or not")
+    model = tiny_ac_model(family, use_cache=False)
     ids = token_batch()
     want = loss_and_grads(model, ids)
     _apply(model, TABLES["tiled_in_full"])
