@@ -316,15 +316,17 @@ def test_planned_context_table_checks_each_answer_with_measured_steps(monkeypatc
                     "seconds": 3.0}
         measured.append((spec["plan"], spec["tokens"]))
         fits = spec["tokens"] == answers[spec["plan"]][0]
-        return {"measured": (1050 if fits else 1250) * MIB, "estimated": 0, "static": 100 * MIB, "seconds": 2.0,
-                "phase": "backward", "module": "model.layers.3.mlp"}
+        return {"measured": (1050 if fits else 1250) * MIB, "estimated": 1100 * MIB, "static": 100 * MIB,
+                "seconds": 2.0, "phase": "backward", "module": "model.layers.3.mlp"}
 
     monkeypatch.setattr(tp.isolated, "call", fake_call)
     table, data = tp.planned_context_table("qwen3-0.6b", None, "bfloat16", "cmd", 60.0, tick=lambda m: None,
-                                           above_static=1024 * MIB)
-    assert sorted(measured) == sorted((p, t) for p, pair in answers.items() for t in pair)
+                                           above_static=1024 * MIB, check_lengths=(2048,))
+    assert sorted(measured) == [("library", 2048), ("stock+hf_gc", 1000), ("stock+hf_gc", 1200)]
     assert [r[:3] for r in table.rows] == [["stock+hf_gc", "fits", 1000], ["stock+hf_gc", "too long", 1200],
-                                           ["library", "fits", 9000], ["library", "too long", 11000]]
+                                           ["library", "fits", 9000], ["library", "too long", 11000],
+                                           ["library", "check", 2048]]
+    assert table.rows[4][3] == 1000 and table.rows[4][5] == f"{(1100 - 1250) / 1250:+.1%}"
     assert table.rows[0][5] == f"{(1000 - 1050) / 1050:+.1%}" and table.rows[0][6] == "yes"
     assert table.rows[1][6] == "no"
     assert any("9.00x (target >= 8x)" in note for note in table.notes)
