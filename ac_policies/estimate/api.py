@@ -58,8 +58,12 @@ def _summarise(model: nn.Module, ts: TracedStep, world_size: int, device: str, f
                 "in host memory (FSDP2 CPUOffloadPolicy); on the device: the units' gathered parameters")
     if world_size == 1 and not offload_params:
         at = max(range(len(totals)), key=totals.__getitem__)
-        parts = {"params": ts.params, "grads": ts.grads, "optimizer": ts.optimizer,
-                 "peak": ts.params + ts.buffers + ts.optimizer + totals[at]}
+        held = ts.params + ts.buffers + ts.optimizer
+        by_phase: dict[str, int] = {}
+        for total, phase in zip(totals, ts.trace.phases or [0] * len(totals)):
+            by_phase[PHASES[phase]] = max(by_phase.get(PHASES[phase], 0), held + total)
+        parts = {"params": ts.params, "grads": ts.grads, "optimizer": ts.optimizer, "peak": held + totals[at],
+                 "phase_peaks": tuple(by_phase.items())}
     else:
         parts, at = fsdp_peak(model, ts, world_size, size_of, offload=offload_params)
     phase = PHASES[ts.trace.phases[at]] if ts.trace.phases else "forward"

@@ -8,7 +8,9 @@ per block, the activations a checkpointed block keeps are per block, and the tra
 block's recompute does not depend on how many blocks there are. So a step at full depth is
 estimated from the same model cut to ``prefix + period`` and ``prefix + 2 * period`` blocks, each
 traced on fake tensors, and extrapolated: what the long-context search needs to stay fast on an
-8B model. :func:`reduced_depth` cuts the model in place for the duration of a block (the decoder's
+8B model. The optimizer step is the exception: its peak is the largest of many per-op lines (a
+foreach AdamW's temporaries), so the search takes it from one full-depth trace at a short length
+(it does not depend on the length: activations are gone by then) through :func:`with_phase_peak`. :func:`reduced_depth` cuts the model in place for the duration of a block (the decoder's
 block list and its config's layer count) and puts everything back.
 """
 
@@ -23,7 +25,7 @@ from torch import nn
 from ..structure import is_decoder_block, planning
 from .result import MemoryEstimate
 
-__all__ = ["DecoderLayout", "decoder_layout", "reduced_depth", "extrapolate", "estimate_at_depth"]
+__all__ = ["DecoderLayout", "decoder_layout", "reduced_depth", "extrapolate", "estimate_at_depth", "with_phase_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +109,34 @@ def reduced_depth(model: nn.Module, layout: DecoderLayout, blocks: int) -> Itera
 _LINEAR = ("params", "buffers", "grads", "optimizer", "activations", "peak", "workspace")
 
 
+def _line(a: float, b: float, repeats: float) -> int:
+    return int(round(a + (repeats - 1) * (b - a)))
+
+
 def extrapolate(one: MemoryEstimate, two: MemoryEstimate, repeats: float) -> MemoryEstimate:
-    """The estimate at ``repeats`` periods from those at one and two periods (every byte count
-    linear in the number of periods; the phase and module of the peak are the two-period one's)."""
-    values = {k: int(round(getattr(one, k) + (repeats - 1) * (getattr(two, k) - getattr(one, k)))) for k in _LINEAR}
+    """The estimate at ``repeats`` periods from those at one and two periods: every byte count
+    linear in the number of periods, each phase's peak on its own line and the step's peak the
+    largest of them (the phase holding the peak can change with depth: the optimizer's temporaries
+    grow with the blocks, a loss's logits do not); the module of the peak is the two-period one's."""
+    values = {k: _line(getattr(one, k), getattr(two, k), repeats) for k in _LINEAR}
     values["workspace"] = max(one.workspace, two.workspace)
+    first, second = dict(one.phase_peaks), dict(two.phase_peaks)
+    if first and first.keys() == second.keys():
+        phases = tuple((p, _line(first[p], second[p], repeats)) for p in second)
+        phase, peak = max(phases, key=lambda item: item[1])
+        values["peak"] = peak
+        values["phase_peaks"] = phases
+        if phase != two.peak_phase:
+            values["peak_phase"], values["peak_module"] = phase, ""
     return dataclasses.replace(two, **values, note=f"extrapolated to {repeats:g} periods of blocks from 1 and 2")
+
+
+def with_phase_peak(e: MemoryEstimate, phase: str, peak: int) -> MemoryEstimate:
+    """``e`` with ``phase``'s peak replaced by ``peak`` (the step's peak and its phase follow)."""
+    phases = tuple((p, peak if p == phase else v) for p, v in e.phase_peaks) or ((phase, peak),)
+    top_phase, top = max(phases, key=lambda item: item[1])
+    module = e.peak_module if top_phase == e.peak_phase else ""
+    return dataclasses.replace(e, phase_peaks=phases, peak=top, peak_phase=top_phase, peak_module=module)
 
 
 def estimate_at_depth(model: nn.Module, run: Callable[[], MemoryEstimate], layout: Optional[DecoderLayout]) -> MemoryEstimate:

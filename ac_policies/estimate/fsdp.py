@@ -58,7 +58,7 @@ def shard_bytes(shape: torch.Size, itemsize: int, world: int) -> int:
 
 def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[int], int], offload: bool = False
               ) -> tuple[dict[str, int], int]:
-    """Per-process device ``{"params", "grads", "optimizer", "peak"}`` bytes under FSDP2 over
+    """Per-process device ``{"params", "grads", "optimizer", "peak", "phase_peaks"}`` bytes under FSDP2 over
     ``world`` processes (``offload``: with ``CPUOffloadPolicy``), and the op index of the peak in
     ``ts.trace``."""
     blocks = decoder_blocks(model)
@@ -116,6 +116,7 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
         if end >= b:
             grad_sharded[end + 1] += (0 if offload else shard[name]) - full[name]
     best, at = -1, 0
+    by_phase: dict[int, int] = {}
     gf = gs = 0
     for i in range(n_ops):
         gf += grad_full[i]
@@ -139,10 +140,17 @@ def fsdp_peak(model: nn.Module, ts: TracedStep, world: int, size_of: Callable[[i
                     gathered += unit_full[ahead[0]]  # the next block's prefetched all-gather
                 gathered += sum(unit_full[u] for u in range(n_units) if bw_end[u] == i)  # reduce-scatter input
         total = base + act + gs + gathered
+        by_phase[ph] = max(by_phase.get(ph, 0), total)
         if total > best:
             best, at = total, i
     grads = sum(shard[n] for n in ts.grad_keys.values() if n in shard)
     if offload:
-        return {"params": 0, "grads": 0, "optimizer": 0, "peak": best}, at
+        return {"params": 0, "grads": 0, "optimizer": 0, "peak": best, "phase_peaks": _named(by_phase)}, at
     return {"params": sharded_params, "grads": grads, "optimizer": base - sharded_params - ts.buffers,
-            "peak": best}, at
+            "peak": best, "phase_peaks": _named(by_phase)}, at
+
+
+def _named(by_phase: dict[int, int]) -> tuple[tuple[str, int], ...]:
+    from .trace import PHASES
+
+    return tuple((PHASES[p], n) for p, n in sorted(by_phase.items()))

@@ -23,7 +23,7 @@ from ..apply import apply_policy, policy_of
 from ..plan import ACPolicyWarning
 from ..seam import apply_loss_patch
 from .api import Step, estimate
-from .depth import decoder_layout, estimate_at_depth
+from .depth import decoder_layout, estimate_at_depth, with_phase_peak
 from .result import MemoryEstimate, format_bytes
 
 __all__ = ["ContextRow", "LongestContext", "longest_context"]
@@ -171,7 +171,8 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
             (``long_context_offload`` for ``device="cuda"``: the blocks' checkpoints in host memory),
             unless it has a policy already, and the hidden-state loss, unless it has a loss patch.
         full_depth: trace every length at full depth; by default a decoder whose blocks repeat is
-            traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`).
+            traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`), and
+            the optimizer step's peak is taken from one full-depth trace at ``start`` tokens.
 
     Returns:
         A :class:`LongestContext` that prints as a table: per plan, the longest length that fits
@@ -188,14 +189,24 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         raise ValueError(f"need 1 <= start <= max_tokens, got start={start}, max_tokens={max_tokens}")
     layout = None if full_depth else decoder_layout(model)
     multiple = max(1, min(256, start & -start))
+    reduced = layout is not None and layout.reducible
+    kwargs = dict(optimizer=optimizer, world_size=world_size, device=device, offload_params=offload_params)
 
-    def run(tokens: int) -> MemoryEstimate:
+    def run(tokens: int, optimizer_peak: Optional[int]) -> MemoryEstimate:
         step = make_step(tokens)
-        return estimate_at_depth(model, lambda: estimate(model, step, optimizer=optimizer, world_size=world_size,
-                                                         device=device, offload_params=offload_params), layout)
+        e = estimate_at_depth(model, lambda: estimate(model, step, **kwargs), layout)
+        return e if optimizer_peak is None else with_phase_peak(e, "optimizer", optimizer_peak)
+
+    def optimizer_peak() -> Optional[int]:
+        """The optimizer step's peak at full depth (the same at every length), when extrapolating."""
+        if not reduced or optimizer is None:
+            return None
+        return dict(estimate(model, make_step(start), **kwargs).phase_peaks).get("optimizer")
 
     def answer(plan: str) -> ContextRow:
-        tokens, fits, too_long, over = _search(run, limit, start, max_tokens, resolution, multiple)
+        at_full_depth = optimizer_peak()
+        tokens, fits, too_long, over = _search(lambda t: run(t, at_full_depth), limit, start, max_tokens,
+                                               resolution, multiple)
         why = _limit(over, limit) if over is not None else f"fits up to max_tokens={max_tokens:,}"
         return ContextRow(plan, tokens, fits, too_long, over, why)
 

@@ -35,6 +35,7 @@ class MemoryEstimate:
         peak: the most bytes alive at once over the step, everything included: parameters,
             buffers, optimizer state, gradients as they accumulate, activations, recompute,
             temporaries (and, under FSDP2, gathered parameters and gradient buffers).
+        phase_peaks: ``(phase, bytes)``: the most bytes alive in each phase (``peak`` is the largest).
         workspace: the largest chunk workspace a loss operator of ``functional_ce`` allocated
             inside itself (its chunk buffers at the chunk size in force; counted in ``peak`` at
             that operator, as the operators report it).
@@ -61,6 +62,7 @@ class MemoryEstimate:
     fake: bool = True
     note: Optional[str] = None
     workspace: int = 0
+    phase_peaks: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         what = "estimated on fake tensors" if self.fake else "measured (live tensors)"

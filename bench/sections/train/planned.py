@@ -29,13 +29,15 @@ from bench.sections.train.models import model_entry
 MIB = 2**20
 GIB = 2**30
 #: The full-depth search's budget above the static state, and its first length.
-PLANNED_BUDGET_ABOVE_STATIC = 1 * GIB
+PLANNED_BUDGET_ABOVE_STATIC = 2 * GIB
 #: Lengths the library's estimate is checked at by measured steps (its answer, past 10K tokens at
 #: Qwen3-0.6B's 28 layers, takes longer than a quarter of an hour per measured step on 2 CPU cores).
 LIBRARY_CHECKS = (2048, 4096)
 START = 256
 TARGET_RATIO = 8.0
 PROJECTED = ("llama3.1-8b", "qwen3-30b-a3b")
+#: Trainer's default optimizer (``adamw_torch_fused``): no parameter-sized temporaries in its step.
+OPTIMIZER = "adamw_fused"
 
 PLANS = {
     "stock+hf_gc": "Transformers' loss, Hugging Face gradient checkpointing",
@@ -89,7 +91,7 @@ def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True, offload=spec.get("offload", False))
     vocab = model.config.vocab_size
     kwargs = dict(device=spec["device"], world_size=spec.get("world_size", 1),
-                  offload_params=spec.get("offload_params", False))
+                  offload_params=spec.get("offload_params", False), optimizer=OPTIMIZER)
     static = _static(ac_policies.estimate(model, token_step(vocab)(START), **kwargs))
     budget = spec.get("budget") or static + spec["above_static"]
     start = time.perf_counter()
@@ -110,9 +112,9 @@ def measure_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=False)
     step = token_step(model.config.vocab_size)(spec["tokens"])
     start = time.perf_counter()
-    real = measure_step(model, step)
+    real = measure_step(model, step, optimizer=OPTIMIZER)
     seconds = time.perf_counter() - start
-    est = ac_policies.estimate(model, step)
+    est = ac_policies.estimate(model, step, optimizer=OPTIMIZER)
     return {"measured": real.peak, "estimated": est.peak, "static": _static(real), "seconds": seconds,
             "phase": real.peak_phase, "module": real.peak_module}
 
@@ -153,7 +155,7 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
     got = ratio(lib, stock)
     notes = [
         f"{model} at {'its published depth' if not layers else f'{layers} layers'} ({dtype}, sdpa, random "
-        "weights), one row of the given length, AdamW; budget: the static state (parameters, gradients, AdamW "
+        "weights), one row of the given length, fused AdamW (Trainer's default); budget: the static state (parameters, gradients, AdamW "
         f"state) + {above_static / MIB:.0f} MiB, the same for both plans",
         "estimated: ac_policies.longest_context on the meta model (fake tensors, every length traced or "
         "extrapolated from two shallow copies of the model); measured: one real step in its own process, every "
