@@ -9,14 +9,17 @@ allocated) and returns the most bytes its temporaries held at once, the operator
 outputs excluded, at the chunk size in force for that call (it is in the call's spec). The rows
 that take part (labels not ignored) are read from real labels; on fake labels every row does.
 
-The loop is run with the chunk maths eager, as it runs under a dispatch mode; a compiled chunk
-graph fuses pointwise steps and holds no more than this.
+The loop is run with the chunk maths eager (it runs so under a dispatch mode), and the bytes
+counted are those of the path the operator takes in training: with compiled chunk graphs (the
+default, ``FUNCTIONAL_CE_COMPILE``), a chunk holds its matmuls' outputs and what it returns (its
+pointwise steps are fused); with eager chunks, every temporary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -24,6 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from . import driver
+from .compiled_chunks import compile_by_default
 from .inputs import KNOWN_ROWS, ValidRows
 from .operators import IMPLEMENTATIONS
 from .spec import decode
@@ -38,18 +43,27 @@ def is_operator(func: Any) -> bool:
     return getattr(func, "namespace", None) == NAMESPACE and f"{NAMESPACE}::{func._opname}" in IMPLEMENTATIONS
 
 
-class _PeakOfTemporaries(TorchDispatchMode):
-    """The most bytes alive at once among storages made while it is active, except ``excluded``."""
+#: What a compiled chunk graph allocates: its matmuls' outputs (external kernels) and what it
+#: returns; its pointwise steps and reductions are fused into those or into small row buffers.
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 
-    def __init__(self, excluded: set[int]) -> None:
+
+class _PeakOfTemporaries(TorchDispatchMode):
+    """The most bytes alive at once among storages made while it is active, except ``excluded``.
+
+    With ``fused`` (the chunk maths compiled), inside a chunk (``in_chunk``) only matmul outputs
+    are counted, and the chunk's returned tensors when it returns (:meth:`returned`)."""
+
+    def __init__(self, excluded: set[int], fused: bool = False) -> None:
         super().__init__()
         self.excluded = excluded
+        self.fused = fused
+        self.in_chunk = False
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+    def _add(self, tensors: Any) -> None:
+        for t in tree_leaves(tensors):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
                 key = st._cdata
@@ -58,7 +72,36 @@ class _PeakOfTemporaries(TorchDispatchMode):
         for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
             del self.live[key]
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+
+    def returned(self, out: Any) -> None:
+        self._add(out)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (self.fused and self.in_chunk) or getattr(func, "_opname", "") in _MATMULS:
+            self._add(out)
         return out
+
+
+@contextlib.contextmanager
+def _chunks_seen_by(tracker: _PeakOfTemporaries) -> Iterator[None]:
+    """Route the driver's chunk calls through ``tracker`` (fused chunks: see :class:`_PeakOfTemporaries`)."""
+    original = driver.run_chunk
+
+    def run_chunk(*args: Any, **kwargs: Any) -> Any:
+        tracker.in_chunk = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            tracker.in_chunk = False
+        tracker.returned(out)
+        return out
+
+    driver.run_chunk = run_chunk
+    try:
+        yield
+    finally:
+        driver.run_chunk = original
 
 
 def _fake_mode(args: Any) -> Optional[FakeTensorMode]:
@@ -90,7 +133,7 @@ def workspace_bytes(func: Any, args: tuple, kwargs: Optional[dict] = None) -> in
     Past four chunks of rows the loop is run on two and four chunks' worth and the bytes
     extrapolated linearly in the rows (each chunk's buffers are the same size; what grows with the
     rows, such as the gathered valid rows, grows linearly). Remembered per operator, shapes,
-    dtypes, spec and number of rows taking part.
+    dtypes, spec, number of rows taking part and ``FUNCTIONAL_CE_COMPILE``.
     """
     if not is_operator(func):
         return 0
@@ -102,7 +145,7 @@ def workspace_bytes(func: Any, args: tuple, kwargs: Optional[dict] = None) -> in
     n_valid = None
     if isinstance(labels, torch.Tensor) and isinstance(spec, str) and not isinstance(labels, FakeTensor):
         n_valid = int((labels != decode(spec).ignore_index).sum())
-    key = (str(func), n_valid, tuple(_describe(a) for a in tree_leaves((args, kwargs))))
+    key = (str(func), n_valid, compile_by_default(), tuple(_describe(a) for a in tree_leaves((args, kwargs))))
     if key not in _SEEN:
         _SEEN[key] = _extrapolated(impl, names, named, n_valid)
     return _SEEN[key]
@@ -136,8 +179,10 @@ def _run_on_fakes(impl: Any, named: dict, n_valid: Optional[int]) -> int:
                         else t, named)
         inputs = {t.untyped_storage()._cdata for t in tree_leaves(fake) if isinstance(t, torch.Tensor)}
         n = _rows(fake)
-        tracker = _PeakOfTemporaries(inputs)
-        with tracker:
+        spec = fake.get("spec")
+        compiled = decode(spec).compile_chunks if isinstance(spec, str) else None
+        tracker = _PeakOfTemporaries(inputs, fused=compile_by_default() if compiled is None else compiled)
+        with tracker, _chunks_seen_by(tracker):
             # the index of the rows taking part is made where the loop makes it, as the real one is
             every = n_valid is None or n_valid == n
             token = KNOWN_ROWS.set(lambda: ValidRows(n, None) if every else

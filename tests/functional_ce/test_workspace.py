@@ -64,7 +64,8 @@ LOSSES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_reported_workspace_is_what_the_loop_allocates(loss, dtype):
+def test_reported_workspace_is_what_the_loop_allocates(loss, dtype, monkeypatch):
+    monkeypatch.setenv("FUNCTIONAL_CE_COMPILE", "0")  # the eager chunk path: every temporary is real
     torch.manual_seed(0)
     h = torch.randn(300, 32, dtype=dtype, requires_grad=True)
     w = torch.randn(1000, 32, dtype=dtype, requires_grad=True)
@@ -79,6 +80,23 @@ def test_reported_workspace_is_what_the_loop_allocates(loss, dtype):
         # count of valid rows scaled to them (rounded): a few bytes of index either way
         assert abs(reported - real) <= 0.001 * real + 64, (name, real, reported)
     assert max(r for _, _, r in inside.seen) >= 64 * 1000 * 4  # at least one fp32 chunk of logits
+
+
+def test_compiled_chunks_report_their_matmuls_and_outputs_only(monkeypatch):
+    """With compiled chunk graphs a chunk holds its logits (a matmul output) and the gradients it
+    returns, not the eager maths' pointwise temporaries: less than the eager report, at least one
+    fp32 chunk of logits."""
+    h = torch.randn(512, 32, requires_grad=True)
+    w = torch.randn(2000, 32, requires_grad=True)
+    y = torch.randint(0, 2000, (512,))
+    reports = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FUNCTIONAL_CE_COMPILE", flag)
+        inside = _RealInside()
+        with inside:
+            functional_ce.linear_cross_entropy(h, w, y, chunk_size=128).backward()
+        reports[flag] = max(r for _, _, r in inside.seen)
+    assert 128 * 2000 * 4 <= reports["1"] < 0.7 * reports["0"], reports
 
 
 def test_workspace_follows_the_chunk_size_and_is_zero_for_other_ops():
