@@ -13,7 +13,7 @@ import torch
 
 import ac_policies
 from tests.ac_policies.probes import PRESETS, call_counts, model_of, recognised, structure, watched_modules
-from tests.support.batches import loss_and_grads, token_batch
+from tests.support.batches import assert_same_gradients, loss_and_grads, token_batch
 from tests.support.tiny_models import AC_FAMILIES, AC_MOE_FAMILIES, tiny_ac_model
 
 # Expected structure of each tiny model, written from the families' published architectures.
@@ -54,9 +54,7 @@ def test_presets_keep_loss_and_gradients(family):
         with handle:
             loss1, grads1 = loss_and_grads(model, ids)
         torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
-        assert grads1.keys() == grads0.keys()
-        for name in grads0:
-            torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{preset}/{name}: {m}")
+        assert_same_gradients(grads1, grads0, preset)
 
 
 @pytest.mark.parametrize("family", AC_MOE_FAMILIES)

@@ -18,7 +18,7 @@ from torch import nn
 import ac_policies
 from ac_policies.estimate import measure_step
 from ac_policies.tile import auto_tiles, tile_count
-from tests.support.batches import loss_and_grads, token_batch
+from tests.support.batches import assert_same_gradients, loss_and_grads, token_batch
 from tests.support.tiny_models import tiny_ac_model
 
 FEED_FORWARD = {"any_of": ["moe", {"all_of": ["dense_mlp", {"not": {"inside": "moe"}}]}]}
@@ -43,9 +43,7 @@ def _assert_same(got, want, what):
     loss1, grads1 = got
     loss0, grads0 = want
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
-    assert grads1.keys() == grads0.keys()
-    for name in grads0:
-        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}/{name}: {m}")
+    assert_same_gradients(grads1, grads0, what)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -81,3 +81,10 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor,
                    **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`step_loss_and_grads` with ``labels = input_ids = ids``."""
     return step_loss_and_grads(model, dict(input_ids=ids, labels=ids, **kwargs))
+
+
+def assert_same_gradients(got: dict, want: dict, what: str, rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    """The same parameters got gradients, each equal to ``want``'s within ``rtol``/``atol``."""
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{what}/{name}: {m}")
