@@ -71,7 +71,8 @@ def test_the_loss_operators_chunk_workspace_is_counted_and_printed():
     est, real = ac_policies.estimate(linear, step), measure_step(linear, step)
     chunk_logits = LINEAR_AUTO_CHUNK_ROWS * linear.config.vocab_size * 4
     assert real.workspace >= est.workspace >= chunk_logits
-    assert real.workspace - est.workspace <= 0.15 * real.workspace
+    # what the real loop adds: the valid rows gathered and their gradients put back, [tokens, hidden] fp32 each
+    assert real.workspace - est.workspace <= 3 * seq * linear.config.hidden_size * 4
     assert "loss chunk workspace" in str(est)
     assert ac_policies.estimate(stock, step).workspace == 0
 
