@@ -181,15 +181,28 @@ def test_a_module_called_with_two_tensors_is_refused_at_its_call():
             model.mlp(torch.randn(1, 6, 4), torch.randn(1, 6, 1))
 
 
+def _compiles_untiled(model) -> bool:
+    """Whether the model's first block, untiled, runs forward and backward under ``fullgraph=True``."""
+    import copy
+
+    block = copy.deepcopy(model)
+    block.model.layers[0].compile(fullgraph=True, backend="aot_eager")
+    try:
+        loss_and_grads(block, token_batch())
+    except torch._dynamo.exc.TorchDynamoException:
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_tiled_blocks_compile_into_one_graph(family):
     """``fullgraph=True`` per block, a tiled MLP inside a checkpointed block: no graph break, the same gradients."""
-    import transformers
-
-    if family == "qwen3_moe" and int(transformers.__version__.split(".")[0]) < 5:
-        pytest.skip("Transformers 4.x's Qwen3-MoE block loops over the experts hit (data-dependent): it does not "
-                    "compile with fullgraph=True, tiled or not")
     model = tiny_ac_model(family, use_cache=False)
+    if family == "qwen3_moe" and not _compiles_untiled(model):
+        pytest.skip("this Transformers release's MoE experts (a loop over the experts hit, or grouped_mm's "
+                    "fallback backward) are data-dependent: its block does not compile with fullgraph=True untiled")
     ids = token_batch()
     want = loss_and_grads(model, ids)
     _apply(model, TABLES["tiled_in_full"])
