@@ -6,8 +6,8 @@ attention layers and one full for Qwen3-Next). Every byte count of a step is, to
 approximation, linear in the number of repeats: parameters, gradients and optimizer state are
 per block, the activations a checkpointed block keeps are per block, and the transient peak of one
 block's recompute does not depend on how many blocks there are. So a step at full depth is
-estimated from the same model cut to ``prefix + period`` and ``prefix + 2 * period`` blocks, each
-traced on fake tensors, and extrapolated: what the long-context search needs to stay fast on an
+estimated from the same model cut to ``prefix + 2 * period`` and ``prefix + 3 * period`` blocks,
+each traced on fake tensors, and extrapolated: what the long-context search needs to stay fast on an
 8B model. The optimizer step is the exception: its peak is the largest of many per-op lines (a
 foreach AdamW's temporaries), so the search takes it from one full-depth trace at a short length
 (it does not depend on the length: activations are gone by then) through :func:`with_phase_peak`. :func:`reduced_depth` cuts the model in place for the duration of a block (the decoder's
@@ -41,8 +41,9 @@ class DecoderLayout:
 
     @property
     def reducible(self) -> bool:
-        """Whether two shallow copies are smaller than the model (else estimate it whole)."""
-        return self.prefix + 2 * self.period < self.count
+        """Whether the two shallow copies (two and three periods) are smaller than the model (else
+        estimate it whole)."""
+        return self.prefix + 3 * self.period < self.count
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -113,22 +114,25 @@ def _line(a: float, b: float, repeats: float) -> int:
     return int(round(a + (repeats - 1) * (b - a)))
 
 
-def extrapolate(one: MemoryEstimate, two: MemoryEstimate, repeats: float) -> MemoryEstimate:
-    """The estimate at ``repeats`` periods from those at one and two periods: every byte count
-    linear in the number of periods, each phase's peak on its own line and the step's peak the
-    largest of them (the phase holding the peak can change with depth: the optimizer's temporaries
-    grow with the blocks, a loss's logits do not); the module of the peak is the two-period one's."""
-    values = {k: _line(getattr(one, k), getattr(two, k), repeats) for k in _LINEAR}
+def extrapolate(one: MemoryEstimate, two: MemoryEstimate, repeats: float, first: int = 2) -> MemoryEstimate:
+    """The estimate at ``repeats`` periods from those at ``first`` and ``first + 1`` periods: every
+    byte count linear in the number of periods, each phase's peak on its own line and the step's
+    peak the largest of them (the phase holding the peak can change with depth: the optimizer's
+    temporaries grow with the blocks, a loss's logits do not); the module of the peak is the deeper
+    one's. Two periods at least: with one, the first block has no neighbour (no prefetched next
+    unit under FSDP2), and that difference would be taken for growth."""
+    values = {k: _line(getattr(one, k), getattr(two, k), repeats - first + 1) for k in _LINEAR}
     values["workspace"] = max(one.workspace, two.workspace)
-    first, second = dict(one.phase_peaks), dict(two.phase_peaks)
-    if first and first.keys() == second.keys():
-        phases = tuple((p, _line(first[p], second[p], repeats)) for p in second)
+    before, after = dict(one.phase_peaks), dict(two.phase_peaks)
+    if before and before.keys() == after.keys():
+        phases = tuple((p, _line(before[p], after[p], repeats - first + 1)) for p in after)
         phase, peak = max(phases, key=lambda item: item[1])
         values["peak"] = peak
         values["phase_peaks"] = phases
         if phase != two.peak_phase:
             values["peak_phase"], values["peak_module"] = phase, ""
-    return dataclasses.replace(two, **values, note=f"extrapolated to {repeats:g} periods of blocks from 1 and 2")
+    return dataclasses.replace(two, **values,
+                               note=f"extrapolated to {repeats:g} periods of blocks from {first} and {first + 1}")
 
 
 def with_phase_peak(e: MemoryEstimate, phase: str, peak: int) -> MemoryEstimate:
@@ -144,8 +148,8 @@ def estimate_at_depth(model: nn.Module, run: Callable[[], MemoryEstimate], layou
     when the layout allows it, else run whole."""
     if layout is None or not layout.reducible:
         return run()
-    with reduced_depth(model, layout, layout.prefix + layout.period):
-        one = run()
     with reduced_depth(model, layout, layout.prefix + 2 * layout.period):
         two = run()
-    return extrapolate(one, two, (layout.count - layout.prefix) / layout.period)
+    with reduced_depth(model, layout, layout.prefix + 3 * layout.period):
+        three = run()
+    return extrapolate(two, three, (layout.count - layout.prefix) / layout.period)

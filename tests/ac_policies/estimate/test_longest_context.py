@@ -24,7 +24,7 @@ DEEP = {
     "llama": dict(num_hidden_layers=6),
     "deepseek_v3": dict(num_hidden_layers=5),  # one dense layer, then MoE layers
     "qwen3_next": dict(num_hidden_layers=8, layer_types=["linear_attention", "full_attention"] * 4),
-    "gpt_oss": dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3),
+    "gpt_oss": dict(num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4),
 }
 LAYOUTS = {"llama": (0, 1), "deepseek_v3": (1, 1), "qwen3_next": (0, 2), "gpt_oss": (0, 2)}
 
@@ -33,7 +33,7 @@ LAYOUTS = {"llama": (0, 1), "deepseek_v3": (1, 1), "qwen3_next": (0, 2), "gpt_os
 def test_depth_extrapolation_equals_the_full_depth_estimate(family):
     model = tiny_ac_model(family, **DEEP[family])
     layout = decoder_layout(model)
-    assert (layout.prefix, layout.period) == LAYOUTS[family]
+    assert (layout.prefix, layout.period) == LAYOUTS[family] and layout.reducible
     step = token_step(model.config.vocab_size)(128)
     full = ac_policies.estimate(model, step)
     extrapolated = estimate_at_depth(model, lambda: ac_policies.estimate(model, step), layout)
