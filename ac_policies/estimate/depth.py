@@ -107,7 +107,7 @@ def reduced_depth(model: nn.Module, layout: DecoderLayout, blocks: int) -> Itera
             c.num_hidden_layers = n
 
 
-_LINEAR = ("params", "buffers", "grads", "optimizer", "activations", "peak", "workspace")
+_LINEAR = ("params", "buffers", "grads", "optimizer", "activations", "peak")
 
 
 def _line(a: float, b: float, repeats: float) -> int:
