@@ -3,16 +3,20 @@ per-process memory budget, searched on fake tensors, for the model as it is and 
 library recommends (the ``long_context`` policy, with checkpoint offload on CUDA, and the
 hidden-state loss).
 
-The search doubles the length from ``start`` until a step no longer fits, then halves the gap
-until the shortest length reported as too long is at most ``resolution`` times the longest that
-fits. Each length is one :func:`~ac_policies.estimate` (at full depth, or extrapolated from two
-shallow copies of the model, :mod:`ac_policies.estimate.depth`); nothing runs on a device.
+The search doubles the length from ``start`` until a step no longer fits or the estimates lie on
+a quadratic in tokens (:mod:`ac_policies.estimate.length`); then it traces the length the quadratic
+puts at the budget, and, where the prediction holds there, takes the next length it puts over the
+budget as "too long". Otherwise it halves the gap until the shortest length too long is at most
+``resolution`` times the longest that fits. Each traced length is one :func:`~ac_policies.estimate`
+(at full depth, or extrapolated from two shallow copies of the model,
+:mod:`ac_policies.estimate.depth`); nothing runs on a device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
 from typing import Any, Callable, Optional, Union
 
@@ -24,6 +28,7 @@ from ..plan import ACPolicyWarning
 from ..seam import apply_loss_patch
 from .api import Step, estimate
 from .depth import decoder_layout, estimate_at_depth, with_phase_peak
+from .length import TOLERANCE, predict, predicts
 from .result import MemoryEstimate, format_bytes
 
 __all__ = ["ContextRow", "LongestContext", "longest_context"]
@@ -44,6 +49,12 @@ class ContextRow:
     too_long: int
     over: Optional[MemoryEstimate]
     limit: str
+
+    @property
+    def too_long_predicted(self) -> bool:
+        """Whether ``too_long``'s estimate is predicted from traced lengths rather than traced
+        (:mod:`ac_policies.estimate.length`); ``tokens``' always is traced."""
+        return self.over is not None and (self.over.note or "").startswith("extrapolated in length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +78,17 @@ class LongestContext:
         cells = []
         for r in self.rows:
             where = f"{r.over.peak_phase}, {r.over.peak_module or 'the model itself'}" if r.over else ""
+            star = "*" if r.too_long_predicted else ""
             cells.append((r.plan, f"{r.tokens:,}", format_bytes(r.fits.peak) if r.fits else "-",
-                          f"{r.too_long:,}" if r.too_long else "-", format_bytes(r.over.peak) if r.over else "-",
-                          where, r.limit))
+                          f"{r.too_long:,}{star}" if r.too_long else "-",
+                          format_bytes(r.over.peak) + star if r.over else "-", where, r.limit))
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
         line = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
         return "\n".join([f"longest context within {format_bytes(self.budget)} per process{shard} "
                           "(estimated on fake tensors)", line(header), line(["-" * w for w in widths]),
-                          *(line(c) for c in cells)])
+                          *(line(c) for c in cells),
+                          *(["*: predicted by the quadratic in length through the traced lengths nearest it "
+                             "(every answer is traced)"] if any(r.too_long_predicted for r in self.rows) else [])])
 
 
 def _limit(e: MemoryEstimate, budget: int) -> str:
@@ -96,37 +110,106 @@ def _limit(e: MemoryEstimate, budget: int) -> str:
             "it, or shard the sequence (context parallelism)")
 
 
+#: At most this many lengths are traced per plan.
+MAX_TRACES = 64
+#: The furthest the search jumps past the longest length traced (a factor): a crossing predicted
+#: further away is approached by doubling, which costs about as much as one trace there.
+MAX_JUMP = 8
+
+
 def _search(run: Callable[[int], MemoryEstimate], budget: int, start: int, max_tokens: int, resolution: float,
             multiple: int) -> tuple[int, Optional[MemoryEstimate], int, Optional[MemoryEstimate]]:
-    fits: dict[int, MemoryEstimate] = {}
-    over: dict[int, MemoryEstimate] = {}
+    """``(longest that fits, its estimate, shortest too long, its estimate)``.
+
+    The length doubles from ``start`` until a step does not fit, or until the four traced lengths
+    nearest the longest fit lie on a quadratic in tokens
+    (:func:`~ac_policies.estimate.length.predicts`) and it puts the budget within
+    :data:`MAX_JUMP` times that length. Then the search jumps to the longest length the quadratic
+    puts within the budget (with its tolerance to spare) and traces it; when that fits and the
+    trace agrees with the prediction, the next length the quadratic puts clearly over the budget
+    is the answer's "too long" (a predicted estimate, noted as such). When the prediction is not
+    trusted or misses, the gap between the longest fit and the shortest too long is halved with
+    traces. A trace costs about its length (a tiled module runs one region per slice), so this
+    keeps a million-token search to the doubling up to a quarter of the answer and one trace at it.
+    """
+    traced: dict[int, MemoryEstimate] = {}
 
     def trial(tokens: int) -> bool:
         e = run(tokens)
+        traced[tokens] = e
         ok = e.peak <= budget
-        (fits if ok else over)[tokens] = e
         logger.info("longest_context: %d tokens -> peak %s (%s)", tokens, format_bytes(e.peak), "fits" if ok else "over")
         return ok
 
+    def nearest(tokens: int) -> list[tuple[int, MemoryEstimate]]:
+        """The three traced lengths nearest ``tokens`` (by ratio)."""
+        order = sorted(traced, key=lambda t: abs(math.log(t / tokens)))
+        return [(t, traced[t]) for t in order[:3]]
+
+    def crossing(lower: int, upper: int) -> int:
+        """The longest multiple in ``(lower, upper]`` predicted to fit with the prediction's
+        tolerance to spare (``lower`` when none is)."""
+        points = nearest(lower)
+        room = budget * (1 - TOLERANCE)
+        k_lo, k_hi = lower // multiple, upper // multiple
+        while k_lo < k_hi:
+            k = (k_lo + k_hi + 1) // 2
+            if k * multiple > lower and predict(points, k * multiple).peak > room:
+                k_hi = k - 1
+            else:
+                k_lo = k
+        return max(lower, k_lo * multiple)
+
     lo, hi = 0, 0
-    t = start
-    while True:
-        if not trial(t):
-            hi = t
+    t, expected = start, None
+    for _ in range(MAX_TRACES):
+        ok = trial(t)
+        if ok:
+            lo = max(lo, t)
+        else:
+            hi = min(hi or t, t)
+        if not lo:
             break
-        lo = t
-        if t >= max_tokens:
+        if ok and t >= max_tokens or hi and hi <= lo * resolution:
             break
-        t = min(2 * t, max_tokens)
-    while hi and lo and hi > lo * resolution:
+        near = sorted(traced, key=lambda n: abs(math.log(n / lo)))[:4]
+        if expected is not None and ok and abs(expected.peak - traced[t].peak) <= TOLERANCE * traced[t].peak:
+            # the traced answer is where the quadratic put it: the next length it puts over is "too long"
+            over = _predicted_over(lambda n, points=nearest(lo): predict(points, n), budget, lo, max_tokens, resolution, multiple)
+            if over is not None:
+                return lo, traced[lo], over[0], over[1]
+        expected = None
+        if len(near) == 4 and predicts([(n, traced[n]) for n in near]):
+            guess = crossing(lo, (hi - multiple) if hi else max_tokens)
+            if lo < guess and (hi or guess < MAX_JUMP * lo):
+                t, expected = guess, predict(nearest(guess), guess)
+                continue
+        if not hi:
+            t = min(2 * lo, max_tokens)
+            continue
         mid = (lo + hi) // 2 // multiple * multiple
         if mid <= lo or mid >= hi:
             break
-        if trial(mid):
-            lo = mid
+        t = mid
+    return lo, traced.get(lo), hi, traced.get(hi)
+
+
+def _predicted_over(at: Callable[[int], MemoryEstimate], budget: int, fits: int, max_tokens: int,
+                    resolution: float, multiple: int) -> Optional[tuple[int, MemoryEstimate]]:
+    """The shortest multiple above ``fits`` (up to ``resolution`` times it) that the prediction
+    ``at`` puts over the budget by more than twice its tolerance, with that prediction; None when
+    there is none (the search then traces on)."""
+    margin = budget * (1 + 2 * TOLERANCE)
+    k_lo, k_hi = fits // multiple, min(int(fits * resolution), max_tokens) // multiple
+    if k_hi <= k_lo or at(k_hi * multiple).peak <= margin:
+        return None
+    while k_hi - k_lo > 1:  # the shortest multiple over the margin: the prediction rises with length
+        k = (k_lo + k_hi) // 2
+        if at(k * multiple).peak > margin:
+            k_hi = k
         else:
-            hi = mid
-    return lo, fits.get(lo), hi, over.get(hi)
+            k_lo = k
+    return k_hi * multiple, at(k_hi * multiple)
 
 
 def _recommended(model: nn.Module, device: Optional[str]) -> tuple[list[Any], list[str]]:
@@ -167,6 +250,9 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         start, max_tokens: the first length tried and the last.
         resolution: the search stops when the shortest length too long is at most this times the
             longest that fits (lengths are multiples of ``start``'s largest power of two up to 256).
+            Where the estimates lie on a quadratic in length, the answer is the length the quadratic
+            puts at the budget (traced) and "too long" the next it puts over it (predicted, marked
+            ``*`` in the table and by :attr:`ContextRow.too_long_predicted`): usually much finer.
         recommend: also answer for the recommended plan: the model with the ``long_context`` policy
             (``long_context_offload`` for ``device="cuda"``: the blocks' checkpoints in host memory),
             unless it has a policy already, and the hidden-state loss, unless it has a loss patch.
