@@ -51,7 +51,7 @@ class Rule:
     ``save_matmuls_of``, module globs whose weights' matmuls are always recomputed or always
     saved (resolved at plan time); ``save_copies_to_cpu_from``, device types (``["cuda"]``) whose
     copies to the CPU are always saved. ``tile`` rules take ``tiles``: the number of slices of the
-    tokens (an int), or ``"auto"`` (the default: ``ceil(tokens / hidden)``, see :mod:`ac_policies.tile`).
+    tokens (an int), or ``"auto"`` (the default: slices of about ``hidden`` tokens and at least 1024, see :mod:`ac_policies.tile`).
     ``on_unmatched``: what
     planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
     (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows

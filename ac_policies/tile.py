@@ -18,8 +18,11 @@ output capturing (``output_router_logits``) are merged back to one entry per lay
 auxiliary loss sees the whole sequence's routing. RNG state is preserved per slice, as
 checkpointing preserves it.
 
-``tiles="auto"`` takes ``ceil(tokens / hidden)`` slices (DeepSpeed's ``TiledMLP`` rule: a slice
-of about ``hidden`` tokens), with slices of at least 1024 tokens, and never more slices than tokens.
+``tiles="auto"`` takes slices of about ``hidden`` tokens (DeepSpeed's ``TiledMLP`` rule,
+``ceil(tokens / hidden)``), rounded so that every slice holds at least ``max(hidden, 1024)`` tokens:
+``tokens // max(hidden, 1024)`` slices. A sequence shorter than two such slices is not tiled: its
+intermediates are small next to the rest of the step, and a tile costs one more forward of the
+module in backward.
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ MIN_AUTO_SLICE = 1024
 
 
 def auto_tiles(tokens: int, hidden: int) -> int:
-    """DeepSpeed's rule for ``TiledMLP``'s ``"auto"``, ``ceil(tokens / hidden)``, with slices of at
-    least :data:`MIN_AUTO_SLICE` tokens (narrow models would otherwise get a slice per few tokens);
-    at least 1."""
-    return max(1, math.ceil(tokens / max(MIN_AUTO_SLICE, hidden)))
+    """Slices of about ``hidden`` tokens (DeepSpeed's ``TiledMLP`` rule, ``ceil(tokens / hidden)``),
+    each at least ``max(hidden, MIN_AUTO_SLICE)`` tokens (narrow models would otherwise get a slice
+    per few tokens): ``tokens // max(hidden, MIN_AUTO_SLICE)``, at least 1."""
+    return max(1, tokens // max(MIN_AUTO_SLICE, hidden))
 
 
 def tile_count(tiles: Tiles, tokens: int, hidden: int) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from functional_ce.workspace import is_operator, workspace_bytes
 
@@ -45,6 +45,38 @@ def unique_bytes(tensors: Iterable[Optional[torch.Tensor]], size_of: Callable[[i
             t = local_shard(t)
             seen.setdefault(storage_key(t), size_of(t.untyped_storage().nbytes()))
     return sum(seen.values())
+
+
+def _has_graph(t: torch.Tensor) -> bool:
+    """Whether autograd reaches ``t`` when it requires grad: False for a view taken, inside a
+    custom ``autograd.Function``'s forward, of a tensor that requires grad (DeepSpeed's
+    ``TiledMLP`` slices its input that way): it requires grad with no graph behind it."""
+    if not t.requires_grad or t.grad_fn is not None or not t._is_view():
+        return True
+    with torch.enable_grad():
+        return t.view_as(t).grad_fn.next_functions[0][0] is not None
+
+
+class _ModuleTracker(ModTracker):
+    """``ModTracker`` that leaves out of its backward hooks the tensors autograd does not reach
+    (:func:`_has_graph`): its hooks assert on them, and their module runs outside the step's graph.
+    A backward run inside forward (DeepSpeed's ``TiledFusedLogitsLoss`` does) pops the modules
+    running around it early; their own exit then finds them gone, which ModTracker raises on and
+    this tracker lets pass (the names only label where a peak is)."""
+
+    @staticmethod
+    def _reachable(tree: Any) -> Any:
+        return tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) and not _has_graph(a) else a, tree)
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        super()._fw_pre_hook(mod, self._reachable(input))
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        try:
+            super()._fw_post_hook(mod, input, self._reachable(output))
+        except RuntimeError as exc:
+            if "hierarchy tracking is wrong" not in str(exc):
+                raise
 
 
 class StepTrace(LiveBytes):
@@ -174,7 +206,7 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
         st = opt.state.get(p, {}) if opt is not None else {}
         state_of[n] = sum(size_of(local_shard(v).untyped_storage().nbytes()) for v in st.values()
                           if isinstance(v, torch.Tensor) and v.shape == p.shape)
-    tracker = ModTracker()
+    tracker = _ModuleTracker()
     extra = (lambda: unique_bytes(resized(), size_of)) if resized is not None else None
     trace = StepTrace(owned, size_of, tracker, extra)
     root = type(model).__name__
@@ -193,9 +225,12 @@ def trace_step(model: nn.Module, step: Callable[[nn.Module], torch.Tensor], opti
         loss_key = storage_key(loss)
         activations = sum(n for key, (ref, n) in trace.refs.items() if not ref.expired() and key != loss_key)
         trace.phase = 1
+        # a scalar built from a Python number: on fake tensors it keeps its value, so code that
+        # reads the incoming gradient (DeepSpeed's TiledFusedLogitsLoss checks it is 1) runs
+        seed = torch.tensor(1.0, dtype=loss.dtype, device=loss.device).reshape(loss.shape)
         with tracker, trace:
-            loss.backward()
-            del loss
+            loss.backward(seed)
+            del loss, seed
         grads = [p.grad for _, p in named]
         grad_keys = {storage_key(local_shard(p.grad)): n for n, p in named if p.grad is not None}
         grad_bytes = unique_bytes(grads, size_of)

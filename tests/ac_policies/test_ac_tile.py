@@ -122,7 +122,8 @@ def test_backward_keeps_one_slice_of_intermediates_at_8192_tokens():
 def test_auto_tiles_follow_the_widths():
     assert auto_tiles(8192, 1024) == 8
     assert auto_tiles(1000, 1024) == 1
-    assert auto_tiles(8193, 1024) == 9
+    assert auto_tiles(8193, 1024) == 8  # every slice at least `hidden` tokens
+    assert auto_tiles(1536, 1024) == 1 and auto_tiles(2047, 1024) == 1 and auto_tiles(2048, 1024) == 2
     assert auto_tiles(8192, 64) == 8  # slices of at least MIN_AUTO_SLICE tokens
     assert auto_tiles(8192 * 4, 4096) == 8
     assert tile_count(16, 10, 1024) == 10  # never more slices than tokens
@@ -130,8 +131,8 @@ def test_auto_tiles_follow_the_widths():
 
 
 def test_auto_tiles_run_exactly_with_an_uneven_last_slice():
-    model = tiny_ac_model("llama")  # hidden 32: slices of MIN_AUTO_SLICE = 1024 tokens
-    ids = token_batch(s=1100)  # 2 x 1100 = 2200 tokens: 3 slices of 734, 734, 732
+    model = tiny_ac_model("llama")  # hidden 32: slices of at least MIN_AUTO_SLICE = 1024 tokens
+    ids = token_batch(s=1600)  # 2 x 1600 = 3200 tokens: 3 slices of 1067, 1067, 1066
     want = loss_and_grads(model, ids)
     with _apply(model, [{"when": "dense_mlp", "action": "tile"}]):
         got = loss_and_grads(model, ids)

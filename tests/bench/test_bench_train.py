@@ -305,8 +305,9 @@ def test_planned_context_table_checks_each_answer_with_measured_steps(monkeypatc
     measured, the estimate's error printed beside them, the ratio of the answers in the notes."""
     import bench.sections.train.planned as tp
 
-    answers = {"stock+hf_gc": (1000, 1200), "library": (9000, 11000)}
+    answers = {"stock+hf_gc": (1000, 1200), "library": (9000, 11000), tp.PEER: (6000, 7000)}
     measured = []
+    monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: True)
 
     def fake_call(target, spec, timeout):
         if target is tp.search_worker:
@@ -322,14 +323,24 @@ def test_planned_context_table_checks_each_answer_with_measured_steps(monkeypatc
     monkeypatch.setattr(tp.isolated, "call", fake_call)
     table, data = tp.planned_context_table("qwen3-0.6b", None, "bfloat16", "cmd", 60.0, tick=lambda m: None,
                                            above_static=1024 * MIB, check_lengths=(2048,))
-    assert sorted(measured) == [("library", 2048), ("stock+hf_gc", 1000), ("stock+hf_gc", 1200)]
+    assert sorted(measured) == [(tp.PEER, 2048), ("library", 2048), ("stock+hf_gc", 1000), ("stock+hf_gc", 1200)]
     assert [r[:3] for r in table.rows] == [["stock+hf_gc", "fits", 1000], ["stock+hf_gc", "too long", 1200],
                                            ["library", "fits", 9000], ["library", "too long", 11000],
-                                           ["library", "check", 2048]]
+                                           ["library", "check", 2048], [tp.PEER, "fits", 6000],
+                                           [tp.PEER, "too long", 7000], [tp.PEER, "check", 2048]]
     assert table.rows[4][3] == 1000 and table.rows[4][5] == f"{(1100 - 1250) / 1250:+.1%}"
     assert table.rows[0][5] == f"{(1000 - 1050) / 1050:+.1%}" and table.rows[0][6] == "yes"
     assert table.rows[1][6] == "no"
     assert any("9.00x (target >= 8x)" in note for note in table.notes)
+    assert any(f"{tp.PEER} / stock: 6.00x; library / {tp.PEER}: 1.50x" in note for note in table.notes)
+
+    # without DeepSpeed the peer's rows are left out, and the notes say so
+    monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: False)
+    measured.clear()
+    table, data = tp.planned_context_table("qwen3-0.6b", None, "bfloat16", "cmd", 60.0, tick=lambda m: None,
+                                           above_static=1024 * MIB, check_lengths=(2048,))
+    assert tp.PEER not in data and all(r[0] != tp.PEER for r in table.rows)
+    assert any("not run: DeepSpeed is not installed" in note for note in table.notes)
 
 
 def test_headline_table_compares_the_library_with_stock_at_one_length(monkeypatch):
@@ -349,3 +360,32 @@ def test_headline_table_compares_the_library_with_stock_at_one_length(monkeypatc
     stock, library = table.rows
     assert library[2] == pytest.approx(1.2) and library[4] == pytest.approx(0.75) and library[6] == "yes"
     assert "28 layers" in table.title
+
+
+def test_projection_table_searches_each_placement(monkeypatch):
+    """Stock, the library and the peer on one device (the library and the peer with parameters in
+    host memory, or bf16 weights and gradients on the device with AdamW off it: 8B only) and on 8
+    with FSDP2; the spec each search gets says where everything is."""
+    import bench.sections.train.planned as tp
+
+    specs = []
+
+    def fake_call(target, spec, timeout):
+        assert target is tp.search_worker
+        specs.append(spec)
+        return {"tokens": 4096, "too_long": 4352, "too_long_predicted": spec["plan"] == "library",
+                "limit": "activations"}
+
+    monkeypatch.setattr(tp.isolated, "call", fake_call)
+    monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: True)
+    table, data = tp.projection_table("cmd", 60.0, tick=lambda m: None)
+    assert len(specs) == len(table.rows) == len(data) == 3 + 2 + 3 + 3 + 3  # 30B has no on-device case
+    on_device = [s for s in specs if s["optimizer"] is None]
+    assert {(s["model"], s["plan"]) for s in on_device} == {("llama3.1-8b", "library"), ("llama3.1-8b", tp.PEER)}
+    assert not any(s["offload_params"] for s in on_device)
+    host = [s for s in specs if s["offload_params"]]
+    assert {s["plan"] for s in host} == {"library", tp.PEER} and all(s["world_size"] == 1 for s in host)
+    assert all(s["offload"] == (s["plan"] == "library") for s in specs)  # checkpoint offload: the library's
+    assert {r[6] for r in table.rows} == {"predicted", "traced"}
+    monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: False)
+    assert len(tp.projection_searches()) == 2 + 1 + 2 + 2 + 2

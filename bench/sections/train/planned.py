@@ -25,6 +25,7 @@ import torch
 from bench.harness import isolated
 from bench.harness.report import Table, ratio
 from bench.sections.train.models import model_entry
+from bench.sections.train.peer_tiling import PEER, apply_deepspeed_tiling, deepspeed_tiling_available
 
 MIB = 2**20
 GIB = 2**30
@@ -36,13 +37,25 @@ LIBRARY_CHECKS = (2048, 4096)
 START = 256
 TARGET_RATIO = 8.0
 PROJECTED = ("llama3.1-8b", "qwen3-30b-a3b")
+#: Where the projection puts the step: (devices, FSDP2 processes, placement): "host" is FSDP2's
+#: CPUOffloadPolicy for the library and the peer, "device" bf16 parameters and gradients on the device with
+#: AdamW in host memory (Llama-3.1-8B only: Qwen3-30B-A3B's bf16 weights and gradients alone pass 80 GiB),
+#: None everything on the device, sharded.
+PROJECTION_CASES = (("1 x 80 GiB", 1, "host"), ("1 x 80 GiB", 1, "device"), ("8 x 80 GiB, FSDP2", 8, None))
 #: Trainer's default optimizer (``adamw_torch_fused``): no parameter-sized temporaries in its step.
 OPTIMIZER = "adamw_fused"
 
 PLANS = {
     "stock+hf_gc": "Transformers' loss, Hugging Face gradient checkpointing",
     "library": "apply_policy('long_context') + enable_linear_cross_entropy",
+    PEER: "DeepSpeed's TiledMLP on every MLP (ceil(tokens / hidden) shards) + TiledFusedLogitsLoss (1 GiB fp32 "
+          "logits per shard) + Hugging Face gradient checkpointing: ALST's single-device pieces",
 }
+
+
+def plans() -> list[str]:
+    """The plans this machine can run: the peer's needs DeepSpeed (``pip install '.[engines]'``)."""
+    return [p for p in PLANS if p != PEER or deepspeed_tiling_available()]
 
 
 def _model(name: str, layers: Optional[int], dtype: torch.dtype, meta: bool, seed: int = 0) -> torch.nn.Module:
@@ -70,6 +83,8 @@ def _prepared(name: str, plan: str, layers: Optional[int], dtype: torch.dtype, m
     model = _model(name, layers, dtype, meta)
     if plan == "stock+hf_gc":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif plan == PEER:
+        apply_deepspeed_tiling(model)
     else:
         model_patches.enable_linear_cross_entropy(model)
         with warnings.catch_warnings():
@@ -91,7 +106,7 @@ def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True, offload=spec.get("offload", False))
     vocab = model.config.vocab_size
     kwargs = dict(device=spec["device"], world_size=spec.get("world_size", 1),
-                  offload_params=spec.get("offload_params", False), optimizer=OPTIMIZER)
+                  offload_params=spec.get("offload_params", False), optimizer=spec.get("optimizer", OPTIMIZER))
     static = _static(ac_policies.estimate(model, token_step(vocab)(START), **kwargs))
     budget = spec.get("budget") or static + spec["above_static"]
     start = time.perf_counter()
@@ -100,7 +115,7 @@ def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
     row = found.rows[0]
     return {"static": static, "budget": budget, "tokens": row.tokens, "too_long": row.too_long,
             "peak": row.fits.peak if row.fits else None, "over_peak": row.over.peak if row.over else None,
-            "limit": row.limit, "seconds": time.perf_counter() - start}
+            "too_long_predicted": row.too_long_predicted, "limit": row.limit, "seconds": time.perf_counter() - start}
 
 
 def measure_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +142,7 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
     library's estimate at ``check_lengths``."""
     found: dict[str, Any] = {}
     rows = []
-    for plan in PLANS:
+    for plan in plans():
         tick(f"train planned context {model} {plan}")
         spec = {"model": model, "plan": plan, "layers": layers, "dtype": dtype, "device": None,
                 "above_static": above_static}
@@ -151,8 +166,12 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
                 None if m is None else round(m["seconds"], 1),
                 s["limit"] if label == "too long" else (f"search {s['seconds']:.0f} s" if label == "fits" else ""),
             ])
-    stock, lib = (found[p]["search"]["tokens"] for p in PLANS)
-    got = ratio(lib, stock)
+    tokens = {p: found[p]["search"]["tokens"] for p in found}
+    got = ratio(tokens["library"], tokens["stock+hf_gc"])
+    peer = (f"{PEER} / stock: {ratio(tokens[PEER], tokens['stock+hf_gc']):.2f}x; library / {PEER}: "
+            f"{ratio(tokens['library'], tokens[PEER]):.2f}x (target >= 1)" if tokens.get(PEER) and tokens["stock+hf_gc"]
+            else f"{PEER}: " + ("no answer" if PEER in found else "not run: DeepSpeed is not installed (pip install "
+                                                                "'.[engines]')"))
     notes = [
         f"{model} at {'its published depth' if not layers else f'{layers} layers'} ({dtype}, sdpa, random "
         "weights), one row of the given length, fused AdamW (Trainer's default); budget: the static state (parameters, gradients, AdamW "
@@ -161,12 +180,12 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
         "extrapolated from two shallow copies of the model); measured: one real step in its own process, every "
         "tensor alive counted (ac_policies.estimate.measure_step), the loss operators' chunk workspace included",
         f"library / stock longest context: {'-' if got is None else f'{got:.2f}'}x (target >= {TARGET_RATIO:g}x)",
-        "checked: stock's answer and its too-long length by measured steps; the library's estimate at "
+        "checked: stock's answer and its too-long length by measured steps; the library's and the peer's estimates at "
         f"{', '.join(map(str, check_lengths))} tokens (a measured step at its answer's length takes longer than a "
         "quarter of an hour on 2 CPU cores under the live-tensor accounting; the answer-fits and next-does-not "
         "property is tested on small models in tests/ac_policies/estimate/test_longest_context.py)",
-        "the peer's pieces (DeepSpeed's TiledMLP and TiledFusedLogitsLoss) are not in this table",
-        *(f"{p}: {d}" for p, d in PLANS.items()),
+        peer,
+        *(f"{p}: {d}" for p, d in PLANS.items() if p in found),
     ]
     table = Table(title=f"train: {model}, longest context planned before launch, checked by measured steps",
                   columns=["plan", "length", "tokens", "estimated peak above static (MiB)",
@@ -176,32 +195,45 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
     return table, found
 
 
+def projection_searches() -> list[tuple[str, str, int, Optional[str], str]]:
+    """``(model, devices, FSDP2 processes, placement, plan)`` of each projected search."""
+    return [(model, where, world, placement, plan)
+            for model in PROJECTED for where, world, placement in PROJECTION_CASES for plan in plans()
+            # stock keeps everything on the device in the first case already; 30B's weights pass 80 GiB
+            if placement != "device" or (plan != "stock+hf_gc" and model == "llama3.1-8b")]
+
+
 def projection_table(command: str, timeout: float, tick: Callable[[str], None], measured: bool = False
                      ) -> tuple[Table, dict[str, Any]]:
     """Llama-3.1-8B and Qwen3-30B-A3B (bf16) on one 80 GiB device (parameters, gradients and optimizer
     state in host memory for the library, as ALST places them) and on 8 with FSDP2, estimated."""
-    cases = [("1 x 80 GiB", 1, True), ("8 x 80 GiB, FSDP2", 8, False)]
     rows, found = [], {}
-    for model in PROJECTED:
-        for where, world, offload_params in cases:
-            for plan in PLANS:
-                tick(f"train projection {model} {where} {plan}")
-                library = plan == "library"
-                spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
-                        "budget": 80 * GIB, "world_size": world, "offload": library,
-                        "offload_params": offload_params and library, "max_tokens": 1 << 22}
-                s = isolated.call(search_worker, spec, timeout=timeout)
-                found[(model, where, plan)] = s
-                place = "parameters, gradients, AdamW in host memory; checkpoints offloaded" if spec["offload_params"] \
-                    else ("checkpoints offloaded" if library else "all on the device")
-                rows.append([model, where, plan, place, s["tokens"], s["too_long"], s["limit"]])
+    for model, where, world, placement, plan in projection_searches():
+        tick(f"train projection {model} {where} {placement} {plan}")
+        library = plan == "library"
+        on_host = placement == "host" and plan != "stock+hf_gc"
+        spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
+                "budget": 80 * GIB, "world_size": world, "offload": library, "offload_params": on_host,
+                "optimizer": None if placement == "device" else "adamw", "max_tokens": 1 << 22}
+        s = isolated.call(search_worker, spec, timeout=timeout)
+        found[(model, where, placement, plan)] = s
+        place = ("parameters, gradients, AdamW in host memory" if on_host else
+                 "bf16 parameters and gradients on the device, AdamW in host memory" if placement == "device"
+                 else "all on the device")
+        place += "; checkpoints offloaded" if library else ""
+        rows.append([model, where, plan, place, s["tokens"], s["too_long"] or "-",
+                     "predicted" if s.get("too_long_predicted") else "traced", s["limit"]])
     notes = ["estimated, not measured" if not measured else "measured on CUDA by bench/gpu_check.sh",
              "ac_policies.longest_context with device='cuda' (512-byte allocator rounding; fragmentation, the CUDA "
-             "context and library workspaces not counted), AdamW, one row, sdpa",
+             "context and library workspaces not counted), AdamW (foreach), one row, sdpa",
              "stock+hf_gc keeps everything on the device; the library uses long_context_offload (block inputs in host "
-             "memory) and the hidden-state loss, and on one device FSDP2's CPUOffloadPolicy (one block's bf16 "
-             "parameters gathered at a time)"]
+             "memory) and the hidden-state loss; on one device the library and the peer have FSDP2's CPUOffloadPolicy "
+             "(one block's bf16 parameters gathered at a time), which is ALST's single-device placement, or bf16 "
+             "parameters and gradients on the device with the AdamW step in host memory (no optimizer on the device)",
+             f"{PEER}: DeepSpeed's pieces with Hugging Face checkpointing; ALST's checkpoint offload is not modelled, "
+             "so its checkpoints stay on the device"]
     table = Table(title="train: longest context projected for GPU-sized models (estimated, not measured)",
-                  columns=["model", "devices", "plan", "placement", "longest context", "too long", "what limits it"],
+                  columns=["model", "devices", "plan", "placement", "longest context", "too long", "too long is",
+                           "what limits it"],
                   rows=rows, command=command, baseline="stock+hf_gc", notes=notes)
-    return table, {f"{m}|{w}|{p}": v for (m, w, p), v in found.items()}
+    return table, {f"{m}|{w}|{c}|{p}": v for (m, w, c, p), v in found.items()}

@@ -45,7 +45,7 @@ from bench.sections.train.headline import headline_table
 from bench.sections.train.longest import DEFAULT_BUDGET, DEFAULT_LIMIT, longest_context_table
 from bench.sections.train.meter import phase_peaks, what_holds
 from bench.sections.train.models import FULL_MODELS, QUICK_MODELS, model_entry
-from bench.sections.train.planned import planned_context_table, projection_table
+from bench.sections.train.planned import planned_context_table, plans, projection_searches, projection_table
 from bench.sections.train.variant_table import (
     DESCRIPTIONS,
     LOSS_TOLERANCE,
@@ -179,8 +179,8 @@ def count(args: argparse.Namespace) -> int:
     """Progress steps: one per variant run, about eight per context search."""
     a, _ = resolved(args)
     runs = sum(len(_variant_names(a, m)) for m in a.train_models)
-    planned = 6 * len(a.train_context_models) if a.train_planned == "on" else 0
-    projected = 8 if a.train_projection == "on" else 0
+    planned = 3 * len(plans()) * len(a.train_context_models) if a.train_planned == "on" else 0
+    projected = len(projection_searches()) if a.train_projection == "on" else 0
     return runs + (16 * len(a.train_context_models) if a.train_context == "on" else 0) + planned + projected
 
 

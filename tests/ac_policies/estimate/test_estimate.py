@@ -146,3 +146,73 @@ def test_eval_mode_and_non_scalar_loss_are_refused():
     model.train()
     with pytest.raises(TypeError, match="one-element"):
         ac_policies.estimate(model, lambda m: m(input_ids=torch.randint(0, 128, (1, 8))).logits)
+
+
+class _SlicedRecompute(torch.autograd.Function):
+    """Runs ``module`` on views of its input taken inside forward (no graph behind them) without
+    saving, and recomputes each in backward: the pattern of a hand-written tiled MLP."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([module(piece) for piece in x.chunk(2, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        pieces = []
+        for piece, g in zip(x.detach().chunk(2, dim=-2), grad.chunk(2, dim=-2)):
+            piece = piece.detach().requires_grad_()
+            with torch.enable_grad():
+                torch.autograd.backward(ctx.module(piece), g)
+            pieces.append(piece.grad)
+        return torch.cat(pieces, dim=-2), None
+
+
+class _BackwardInForward(torch.autograd.Function):
+    """A loss that runs its own backward inside forward and checks, in backward, that the incoming
+    gradient is 1 (reading a tensor's value): the pattern of a fused logits loss."""
+
+    @staticmethod
+    def forward(ctx, x, head, labels):
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = torch.nn.functional.cross_entropy(head(x).float(), labels)
+            loss.backward()
+        ctx.save_for_backward(x.grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x_grad,) = ctx.saved_tensors
+        if grad != 1.0:
+            x_grad = x_grad * grad
+        return x_grad, None, None
+
+
+class _HandTiled(torch.nn.Module):
+    def __init__(self, vocab: int = 64, hidden: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + _SlicedRecompute.apply(h, self.mlp)
+        return _BackwardInForward.apply(h[0], self.head, ids[0])
+
+
+def test_custom_functions_that_slice_inside_forward_or_run_backward_in_forward_are_estimated():
+    """Views with no graph behind them and a backward inside forward (DeepSpeed's TiledMLP and
+    TiledFusedLogitsLoss do both) trace on fake tensors, and the estimate equals the measured step."""
+    torch.manual_seed(0)
+    model = _HandTiled()
+    step = lambda m: m(torch.randint(0, 64, (1, 256)))  # noqa: E731
+    real = measure_step(model, step)
+    estimated = ac_policies.estimate(model, step)
+    assert estimated.peak == real.peak and estimated.activations == real.activations
+    assert all(p.grad is None for p in model.parameters())
