@@ -164,16 +164,17 @@ def _offloaded(module: nn.Module, orig: Callable, args: tuple, kwargs: dict) -> 
         return orig(*args, **kwargs)
 
 
-def _run_offloaded(module: nn.Module, fqn: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
+def _run_offloaded(module: nn.Module, row: PlanRow, orig: Callable, args: tuple, kwargs: dict) -> Any:
     """Run ``orig`` offloading its saved activations when the module is on CUDA, else as is (one
-    warning); in an estimate that models a CUDA device, under the modelled region."""
+    warning, unless the rule says ``off_cuda="ignore"``); in an estimate that models a CUDA device,
+    under the modelled region."""
     if is_modelling_offload():
         with modelled_offload(module):
             return orig(*args, **kwargs)
     device = _module_device(module, args, kwargs)
     if device is None or device.type != "cuda":
-        if not _offload_warned:
-            _warn_offload_in_place(fqn, device)
+        if not _offload_warned and row.rule.off_cuda == "warn":
+            _warn_offload_in_place(row.fqn, device)
         return orig(*args, **kwargs)
     return _offloaded(module, orig, args, kwargs)
 
@@ -248,7 +249,7 @@ class PolicyForward:
         if wrapper is not None:
             raise wrapper_checkpointing_error(wrapper)
         if row.action == "offload":
-            return _run_offloaded(module, row.fqn, self._call_below, args, kwargs)
+            return _run_offloaded(module, row, self._call_below, args, kwargs)
         fn = cache_safe(module, row.fqn, self._region, args, kwargs) if has_cache(args, kwargs) else self._region
         # keyword arguments go to the module through a partial, never to checkpoint itself: names such as
         # `debug`, `early_stop`, `function` or `context_fn` would otherwise be taken as checkpoint options

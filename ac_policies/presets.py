@@ -30,11 +30,10 @@
   it), and every norm of the blocks and after them (each keeps fp32 copies of its input for
   backward; norms inside attention or an MLP are left to them). Past a few thousand tokens the peak of a ``full`` step is one block's recompute, and
   there the MLP's ``[tokens, intermediate]`` tensors; tiled, they exist for one slice at a time
-  (:mod:`ac_policies.tile`).
-- ``long_context_offload``: ``long_context`` with the decoder stack (the module holding the blocks)
-  under ``offload``: on CUDA, what the checkpointed blocks keep (each block's input) waits for
-  backward in host memory, as ALST's checkpoint offload does. Off CUDA the offload rule keeps
-  activations where they are (one warning).
+  (:mod:`ac_policies.tile`). On CUDA the decoder stack (the module holding the blocks) is under
+  ``offload`` too: what the checkpointed blocks keep (each block's input) waits for backward in
+  host memory, as ALST's checkpoint offload does. Off CUDA that row keeps activations where they
+  are, silently (``off_cuda="ignore"``).
 - ``none``: nothing is checkpointed.
 
 Names are normalised (case, ``-``/``_``/spaces); ``True`` means ``full`` and ``False``/``None``
@@ -87,15 +86,12 @@ _FEED_FORWARD = any_of(P["moe"], all_of(P["dense_mlp"], not_(inside(P["moe"]))))
 _BLOCK_NORMS = _block_norm
 _LONG_CONTEXT = Policy(
     (
+        Rule(when="decoder_stack", action="offload", off_cuda="ignore", on_unmatched="ignore"),
         Rule(when="decoder_block", action="checkpoint", on_unmatched="error"),
         Rule(when=_FEED_FORWARD, action="tile", tiles="auto", on_unmatched="error"),
         Rule(when=_BLOCK_NORMS, action="tile", tiles="auto", on_unmatched="ignore"),
     ),
     name="long_context",
-)
-_LONG_CONTEXT_OFFLOAD = Policy(
-    (Rule(when="decoder_stack", action="offload", on_unmatched="error"), *_LONG_CONTEXT.rules),
-    name="long_context_offload",
 )
 
 # torchtitan's op-level SAC save set, as read in torchtitan/distributed/activation_checkpoint.py
@@ -162,7 +158,6 @@ PRESETS: Mapping[str, Policy] = MappingProxyType(
         "op_sac": _OP_SAC,
         "keep_router": _KEEP_ROUTER,
         "long_context": _LONG_CONTEXT,
-        "long_context_offload": _LONG_CONTEXT_OFFLOAD,
         "none": _NONE,
     }
 )

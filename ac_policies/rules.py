@@ -27,12 +27,14 @@ ACTIONS = ("checkpoint", "selective", "offload", "tile", "none")
 
 _KEYS = (
     "match", "when", "action", "ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of",
-    "save_copies_to_cpu_from", "tiles", "on_unmatched",
+    "save_copies_to_cpu_from", "tiles", "off_cuda", "on_unmatched",
 )
 _SELECTIVE_ONLY = ("ops", "recompute_every", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
 _LISTS = ("ops", "recompute_matmuls_of", "save_matmuls_of", "save_copies_to_cpu_from")
 # what planning does when a rule matches no module of the model
 ON_UNMATCHED = ("warn", "error", "ignore")
+# what an ``offload`` row does on a module that is not on a CUDA device (nowhere to offload to)
+OFF_CUDA = ("warn", "ignore")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Rule:
     saved (resolved at plan time); ``save_copies_to_cpu_from``, device types (``["cuda"]``) whose
     copies to the CPU are always saved. ``tile`` rules take ``tiles``: the number of slices of the
     tokens (an int), or ``"auto"`` (the default: slices of about ``hidden`` tokens and at least 1024, see :mod:`ac_policies.tile`).
+    ``offload`` rules take ``off_cuda``: what the row does where its module is not on a CUDA
+    device, so there is nowhere to offload to: it always keeps the activations where they are, with
+    one warning per process (``"warn"``, the default) or silently (``"ignore"``: a row meant for
+    CUDA only, as in the ``long_context`` preset).
     ``on_unmatched``: what
     planning does when the rule matches no module: ``"warn"`` (default), ``"error"``
     (ValueError; how MoE-scoped presets refuse dense models) or ``"ignore"`` (for preset rows
@@ -67,6 +73,7 @@ class Rule:
     save_matmuls_of: Optional[tuple[str, ...]] = None
     save_copies_to_cpu_from: Optional[tuple[str, ...]] = None
     tiles: Optional[Tiles] = None
+    off_cuda: str = "warn"
     on_unmatched: str = "warn"
 
     def __post_init__(self) -> None:
@@ -104,6 +111,10 @@ class Rule:
             if "cpu" in kinds:
                 raise ValueError("Rule.save_copies_to_cpu_from lists the devices copied *from*; 'cpu' is the destination")
             object.__setattr__(self, "save_copies_to_cpu_from", tuple(kinds))
+        if self.off_cuda not in OFF_CUDA:
+            raise ValueError(f"Rule.off_cuda must be one of {list(OFF_CUDA)}, got {self.off_cuda!r}")
+        if self.off_cuda != "warn" and self.action != "offload":
+            raise ValueError(f"Rule.off_cuda only applies to action='offload', got off_cuda with action={self.action!r}")
         if self.on_unmatched not in ON_UNMATCHED:
             raise ValueError(f"Rule.on_unmatched must be one of {list(ON_UNMATCHED)}, got {self.on_unmatched!r}")
 
@@ -126,6 +137,8 @@ class Rule:
                 ops += f" {key}={list(getattr(self, key))}"
         if self.action == "tile":
             ops += f" tiles={self.tiles}"
+        if self.off_cuda != "warn":
+            ops += f" off_cuda={self.off_cuda}"
         req = "" if self.on_unmatched == "warn" else f" (if unmatched: {self.on_unmatched})"
         return f"{text} -> {self.action}{ops}{req}"
 
@@ -150,6 +163,8 @@ class Rule:
                 out[key] = list(getattr(self, key))
         if self.action == "tile":
             out["tiles"] = self.tiles
+        if self.off_cuda != "warn":
+            out["off_cuda"] = self.off_cuda
         if self.on_unmatched != "warn":
             out["on_unmatched"] = self.on_unmatched
         return out

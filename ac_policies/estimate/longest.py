@@ -214,11 +214,11 @@ def _predicted_over(at: Callable[[int], MemoryEstimate], budget: int, fits: int,
 
 def _recommended(model: nn.Module, device: Optional[str]) -> tuple[list[Any], list[str]]:
     """Apply what the recommended plan adds to ``model`` (``long_context``, with checkpoint offload
-    on CUDA: ``long_context_offload``; the hidden-state loss) where it is not there yet; the
+    on CUDA; the hidden-state loss) where it is not there yet; the
     handles and the names of what was added."""
     handles, added = [], []
     if policy_of(model) is None:
-        preset = "long_context_offload" if device == "cuda" else "long_context"
+        preset = "long_context"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ACPolicyWarning)
             handles.append(apply_policy(model, preset))
@@ -254,7 +254,7 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
             puts at the budget (traced) and "too long" the next it puts over it (predicted, marked
             ``*`` in the table and by :attr:`ContextRow.too_long_predicted`): usually much finer.
         recommend: also answer for the recommended plan: the model with the ``long_context`` policy
-            (``long_context_offload`` for ``device="cuda"``: the blocks' checkpoints in host memory),
+            (for ``device="cuda"`` with the blocks' checkpoints in host memory),
             unless it has a policy already, and the hidden-state loss, unless it has a loss patch.
         full_depth: trace every length at full depth; by default a decoder whose blocks repeat is
             traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`), and

@@ -92,6 +92,32 @@ def test_offload_on_cpu_keeps_activations_bitwise_and_warns_once(monkeypatch):
     _assert_bitwise(grads2, grads0)
 
 
+def test_a_cuda_only_offload_row_is_silent_off_cuda(monkeypatch):
+    """``off_cuda="ignore"`` (the ``long_context`` preset's offload row): on CPU the row keeps
+    activations where they are without the warning; the rule prints and serialises it."""
+    monkeypatch.setattr(ac_apply, "_offload_warned", False)
+    model = tiny_ac_model("llama")
+    ids = token_batch()
+    loss0, grads0 = loss_and_grads(model, ids)
+    rule = {"when": "decoder_block", "action": "offload", "off_cuda": "ignore"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ac_policies.ACPolicyWarning)
+        with ac_policies.apply_policy(model, [rule]):
+            loss1, grads1 = loss_and_grads(model, ids)
+        with ac_policies.apply_policy(model, "long_context"):
+            loss_and_grads(model, ids)
+    assert ac_apply._offload_warned is False
+    torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)
+    _assert_bitwise(grads1, grads0)
+    parsed = ac_policies.Rule.from_dict(rule)
+    assert parsed.to_dict()["off_cuda"] == "ignore" and "off_cuda=ignore" in str(parsed)
+    assert any(r.action == "offload" and r.off_cuda == "ignore" for r in ac_policies.PRESETS["long_context"].rules)
+    with pytest.raises(ValueError, match="off_cuda only applies to action='offload'"):
+        ac_policies.Rule(action="checkpoint", off_cuda="ignore")
+    with pytest.raises(ValueError, match="off_cuda must be one of"):
+        ac_policies.Rule(action="offload", off_cuda="error")
+
+
 def test_offload_outside_training_enters_no_region_and_does_not_warn(monkeypatch):
     monkeypatch.setattr(ac_apply, "_offload_warned", False)
     model = _blocks()

@@ -203,7 +203,7 @@ def test_preset_names_are_normalised(name):
 def test_booleans_and_unknown_names():
     assert ac_policies.resolve_policy(True) is ac_policies.PRESETS["full"]
     assert ac_policies.resolve_policy(False) is ac_policies.PRESETS["none"]
-    with pytest.raises(ValueError, match=r"valid presets: \['full', 'keep_router', 'long_context', 'long_context_offload', 'non_moe', 'non_moe_no_attn', 'none', 'op_sac', 'selective'\]"):
+    with pytest.raises(ValueError, match=r"valid presets: \['full', 'keep_router', 'long_context', 'non_moe', 'non_moe_no_attn', 'none', 'op_sac', 'selective'\]"):
         ac_policies.resolve_policy("no-moe")
     with pytest.raises(TypeError, match="preset name"):
         ac_policies.resolve_policy(3)

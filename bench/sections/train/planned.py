@@ -75,8 +75,7 @@ def _model(name: str, layers: Optional[int], dtype: torch.dtype, meta: bool, see
     return model.train()
 
 
-def _prepared(name: str, plan: str, layers: Optional[int], dtype: torch.dtype, meta: bool,
-              offload: bool = False) -> torch.nn.Module:
+def _prepared(name: str, plan: str, layers: Optional[int], dtype: torch.dtype, meta: bool) -> torch.nn.Module:
     import ac_policies
     import model_patches
 
@@ -89,7 +88,7 @@ def _prepared(name: str, plan: str, layers: Optional[int], dtype: torch.dtype, m
         model_patches.enable_linear_cross_entropy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
-            ac_policies.apply_policy(model, "long_context_offload" if offload else "long_context")
+            ac_policies.apply_policy(model, "long_context")
     return model
 
 
@@ -103,7 +102,7 @@ def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from ac_policies.estimate import token_step
 
     dtype = getattr(torch, spec["dtype"])
-    model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True, offload=spec.get("offload", False))
+    model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True)
     vocab = model.config.vocab_size
     kwargs = dict(device=spec["device"], world_size=spec.get("world_size", 1),
                   offload_params=spec.get("offload_params", False), optimizer=spec.get("optimizer", OPTIMIZER))
@@ -213,7 +212,7 @@ def projection_table(command: str, timeout: float, tick: Callable[[str], None], 
         library = plan == "library"
         on_host = placement == "host" and plan != "stock+hf_gc"
         spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
-                "budget": 80 * GIB, "world_size": world, "offload": library, "offload_params": on_host,
+                "budget": 80 * GIB, "world_size": world, "offload_params": on_host,
                 "optimizer": None if placement == "device" else "adamw", "max_tokens": 1 << 22}
         s = isolated.call(search_worker, spec, timeout=timeout)
         found[(model, where, placement, plan)] = s
@@ -226,7 +225,7 @@ def projection_table(command: str, timeout: float, tick: Callable[[str], None], 
     notes = ["estimated, not measured" if not measured else "measured on CUDA by bench/gpu_check.sh",
              "ac_policies.longest_context with device='cuda' (512-byte allocator rounding; fragmentation, the CUDA "
              "context and library workspaces not counted), AdamW (foreach), one row, sdpa",
-             "stock+hf_gc keeps everything on the device; the library uses long_context_offload (block inputs in host "
+             "stock+hf_gc keeps everything on the device; the library uses long_context (on CUDA, block inputs in host "
              "memory) and the hidden-state loss; on one device the library and the peer have FSDP2's CPUOffloadPolicy "
              "(one block's bf16 parameters gathered at a time), which is ALST's single-device placement, or bf16 "
              "parameters and gradients on the device with the AdamW step in host memory (no optimizer on the device)",

@@ -307,7 +307,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
         for model in args.train_context_models:
             layers = _layers(args, model, full)
             command = (f"python -m bench --only train --train-models --train-headline {args.train_headline} "
-                       f"--train-layers {layers} --train-steps {args.train_steps} --train-context-models {model}")
+                       f"--train-layers {layers} --train-steps {args.train_steps} --train-context-models {model} "
+                       f"--train-dtype {dtypes(args)['train'].dtype}")
             t, data.setdefault("headline", {})[model] = headline_table(
                 model, layers, args.train_headline, args.train_steps, dtypes(args)["train"].dtype,
                 lambda v, d, m=model, n=layers: _spec(args, m, n, v, d), command, args.train_timeout, tick,
@@ -315,7 +316,8 @@ def run(args: argparse.Namespace, tick: Callable[[str], None]) -> Section:
             tables.append(t)
     if args.train_planned == "on":
         for model in args.train_context_models:
-            command = f"python -m bench --only train --train-models --train-planned on --train-context-models {model}"
+            command = (f"python -m bench --only train --train-models --train-planned on --train-context-models {model} "
+                       f"--train-dtype {dtypes(args)['train'].dtype}")
             t, data.setdefault("planned", {})[model] = planned_context_table(
                 model, args.train_planned_layers, "bfloat16" if dtypes(args)["train"].dtype == "bf16" else "float32",
                 command, args.train_timeout, tick)
