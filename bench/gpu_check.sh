@@ -21,9 +21,12 @@
 #   9. ac offload: peak device memory and step time of the offload action against checkpoint and
 #      torch's save_on_cpu on 8 MLP blocks, [8192, 2048] bf16 (bench/sections/ac/offload.py)
 #  10. train context: the longest context within +8GiB, stock+hf_gc vs the library, while time is left
+#  11. train headline at full depth: Qwen3-0.6B's 28 layers, one row of 8192 tokens, stock+hf_gc vs the
+#      library (long_context: tiled MLPs, checkpoints offloaded on CUDA), tokens/s and peaks
 # Files in OUT_DIR: log.txt (everything printed), train/, ce/, lce/, logprobs/ (report folders:
 # report.md, report.json), train.json, ce.json, lce.json, logprobs.json, cuda_tests.txt,
-# ac_estimate_cuda.json, lce_chunks_*.json, dist.json, ac_offload.json, train_context/, train_context.json.
+# ac_estimate_cuda.json, lce_chunks_*.json, dist.json, ac_offload.json, train_context/, train_context.json,
+# train_headline/, train_headline.json.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT_DIR [TOTAL_SECONDS]}
 total=${2:-600}
@@ -91,5 +94,8 @@ step "9 ac offload vs checkpoint vs save_on_cpu, 8 x [8192, 2048] bf16" 90 pytho
 step "10 train context within +8GiB, stock+hf_gc vs library" 240 python -m bench --device cuda --only train \
     --no-progress --train-dtype bf16 --train-variants stock+hf_gc --train-steps 2 --train-context on \
     --train-budget +8GiB --train-context-limit 65536 --out "$out/train_context" --json "$out/train_context.json"
+step "11 train headline, 28 layers, 8192 tokens, bf16" 180 python -m bench --device cuda --only train --no-progress \
+    --train-models --train-dtype bf16 --train-headline 8192 --train-layers 28 --train-steps 3 \
+    --out "$out/train_headline" --json "$out/train_headline.json"
 echo "== done in ${SECONDS} s (status $status)" | tee -a "$log"
 exit $status

@@ -18,7 +18,7 @@ from tests.support.tiny_models import tiny_ac_model
 pytestmark = pytest.mark.skipif(not deepspeed_tiling_available(), reason="DeepSpeed is not installed")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_the_peer_pieces_give_stock_loss_and_gradients(family):
     torch.manual_seed(0)
     stock = tiny_ac_model(family, num_hidden_layers=2).float()

@@ -3,9 +3,10 @@
 Snowflake's ALST (Arctic Long Sequence Training) reaches its one-GPU lengths with three pieces that
 are pure PyTorch and ship in DeepSpeed (``deepspeed.runtime.sequence_parallel.ulysses_sp``):
 
-- ``TiledMLP`` on every decoder block's ``mlp``, ``ceil(seqlen / hidden)`` shards (the rule in its
-  docstring and ArcticTraining's recipes): forward without saving, backward recomputing one shard
-  at a time;
+- ``TiledMLP`` on every decoder block's ``mlp`` (a MoE block too, whole: its router sees one shard
+  at a time, so a recorded router output is per shard), ``ceil(seqlen / hidden)`` shards (the rule
+  in its docstring and ArcticTraining's recipes): forward without saving, backward recomputing one
+  shard at a time;
 - ``TiledFusedLogitsLoss`` for the loss: the head and cross-entropy per shard of tokens, the
   backward run inside forward, shards of about 1 GiB of fp32 logits (ArcticTraining's default);
 - Hugging Face gradient checkpointing on the decoder blocks (ALST adds checkpoint offload to host
@@ -46,12 +47,20 @@ def deepspeed_tiling_available() -> bool:
 
 
 def _tiled_mlp_forward(original: Any) -> Any:
+    def run(module: nn.Module, piece: torch.Tensor) -> torch.Tensor:
+        # TiledMLP's backward hands over [tokens, hidden] shards; a MoE block wants [batch, seq, hidden]
+        out = original(module, piece.reshape(1, -1, piece.shape[-1]))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returns {type(out).__name__}: TiledMLP takes modules that "
+                            "return one tensor")
+        return out.reshape(*piece.shape[:-1], out.shape[-1])
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
         shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
         params = [p for p in self.parameters() if p.requires_grad]
-        return TiledMLP.apply(lambda module, piece: original(module, piece), self, x, shards, params)
+        return TiledMLP.apply(run, self, x, shards, params)
     return forward
 
 

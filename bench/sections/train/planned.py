@@ -174,7 +174,7 @@ def planned_context_table(model: str, layers: Optional[int], dtype: str, command
     notes = [
         f"{model} at {'its published depth' if not layers else f'{layers} layers'} ({dtype}, sdpa, random "
         "weights), one row of the given length, fused AdamW (Trainer's default); budget: the static state (parameters, gradients, AdamW "
-        f"state) + {above_static / MIB:.0f} MiB, the same for both plans",
+        f"state) + {above_static / MIB:.0f} MiB, the same for every plan",
         "estimated: ac_policies.longest_context on the meta model (fake tensors, every length traced or "
         "extrapolated from two shallow copies of the model); measured: one real step in its own process, every "
         "tensor alive counted (ac_policies.estimate.measure_step), the loss operators' chunk workspace included",
@@ -214,7 +214,10 @@ def projection_table(command: str, timeout: float, tick: Callable[[str], None], 
         spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
                 "budget": 80 * GIB, "world_size": world, "offload_params": on_host,
                 "optimizer": None if placement == "device" else "adamw", "max_tokens": 1 << 22}
-        s = isolated.call(search_worker, spec, timeout=timeout)
+        try:
+            s = isolated.call(search_worker, spec, timeout=timeout)
+        except isolated.WorkerFailed as exc:  # one failed search (or a timeout) leaves the others' rows
+            s = {"tokens": None, "too_long": None, "limit": f"error: {exc}"}
         found[(model, where, placement, plan)] = s
         place = ("parameters, gradients, AdamW in host memory" if on_host else
                  "bf16 parameters and gradients on the device, AdamW in host memory" if placement == "device"
