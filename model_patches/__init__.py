@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .checkpoint_resume import enable_resume_conversion, resume_conversion_status
+    from .context_parallel import ContextParallelHandle, enable_context_parallel
     from .loss.chunked_loss import chunked_loss_status, enable_chunked_loss
     from .loss.linear_cross_entropy import LinearCrossEntropyHandle, causal_lm_loss, enable_linear_cross_entropy
     from .loss.token_losses import causal_lm_distillation_loss, causal_lm_token_logprobs
@@ -33,6 +34,9 @@ _LAZY: dict[str, str] = {
     "enable_packing": "packing.enable",
     "packing_status": "packing.enable",
     "PackingCollator": "packing.collator",
+    # packed documents with the sequence sharded over processes
+    "enable_context_parallel": "context_parallel",
+    "ContextParallelHandle": "context_parallel",
     # the loss path
     "enable_chunked_loss": "loss.chunked_loss",
     "chunked_loss_status": "loss.chunked_loss",

@@ -22,8 +22,9 @@ __all__ = ["LOSS_ONLY_KEYS", "as_keywords", "model_keywords", "refuse_unknown_ke
 LOSS_ONLY_KEYS = ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "ignore_index")
 #: Keywords every causal-LM forward of Transformers takes or passes on, named or not.
 STOCK_KEYWORDS = ("return_dict", "past_key_values", "cache", "output_attentions", "output_hidden_states")
-#: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``).
-LIBRARY_BATCH_KEYS = ("num_tokens",)
+#: Keys this library's own batches carry (``PackingCollator(return_num_tokens=True)``; the document
+#: ids of a context-parallel shard, which the decoder hands down to attention).
+LIBRARY_BATCH_KEYS = ("num_tokens", "cp_document_ids")
 
 
 def model_keywords(model_class: type) -> Optional[frozenset[str]]:

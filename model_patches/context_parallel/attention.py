@@ -1,0 +1,177 @@
+"""Attention of a context-parallel process: its queries against every process's keys and values,
+under the whole row's document mask.
+
+Each process holds a head-tail shard of the packed row (:mod:`.layout`). Per attention layer:
+
+1. keys and values are all-gathered over the group (rank-major order; backward sums their
+   gradients over the group and keeps this process's tokens);
+2. every process's ``position_ids`` and document ids are gathered too (no gradient): the shard
+   carries them (:meth:`~.enable.ContextParallelHandle.shard`; Transformers hands a forward's
+   keyword arguments down to attention, and checkpointing's recompute gets them again);
+3. the local queries attend to the gathered keys under ``[local queries, keys]``: same document and
+   key position <= query position. Never ``[T, T]``.
+
+Step 3 runs the model's own sdpa or eager attention function with that mask, so GQA, scaling and
+dropout are Transformers'. The attention functions are registered with Transformers under
+``cp_sdpa`` and ``cp_eager`` (:data:`IMPLEMENTATIONS`); which group a model's layers use is looked
+up from their config (:func:`register_group`), so a copy of the model that was not enabled raises
+instead of attending alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DOCUMENTS_KEY", "IMPLEMENTATIONS", "CPGroup", "gather_sequence", "register_group", "unregister_group"]
+
+#: The keyword argument that carries each local token's document id from the model's call to its
+#: attention layers (Transformers passes a forward's extra keyword arguments down to attention).
+DOCUMENTS_KEY = "cp_document_ids"
+#: The Transformers attention implementation each wrapped one is registered as.
+IMPLEMENTATIONS = {"sdpa": "cp_sdpa", "eager": "cp_eager"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CPGroup:
+    """A context-parallel process group: ``group`` (None: the default group), its size and this
+    process's rank in it."""
+
+    group: Optional[dist.ProcessGroup]
+    world: int
+    rank: int
+
+
+#: id(config) -> its model's group, while a handle of :func:`~.enable.enable_context_parallel` is live
+_GROUPS: dict[int, CPGroup] = {}
+
+
+def register_group(config: Any, group: CPGroup) -> None:
+    _GROUPS[id(config)] = group
+
+
+def unregister_group(config: Any) -> None:
+    _GROUPS.pop(id(config), None)
+
+
+def _group_of(module: torch.nn.Module) -> CPGroup:
+    config = getattr(module, "config", None)
+    group = _GROUPS.get(id(config))
+    if group is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs context-parallel attention ({getattr(config, '_attn_implementation', '?')}) "
+            "but its model has no live context-parallel handle: a copy of an enabled model, or one whose handle was "
+            "removed. Call model_patches.enable_context_parallel(model, group) on this model")
+    return group
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather ``x`` along ``dim`` over the group, rank-major; backward: the gradient summed over
+    the group, this process's slice (an all-reduce and a slice, which every backend has, gloo
+    included; a reduce-scatter would move half the bytes)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: CPGroup, dim: int) -> torch.Tensor:
+        ctx.cp, ctx.dim, ctx.local = cp, dim, x.shape[dim]
+        parts = [torch.empty_like(x) for _ in range(cp.world)]
+        dist.all_gather(parts, x.contiguous(), group=cp.group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
+        cp, dim, n = ctx.cp, ctx.dim, ctx.local
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=cp.group)
+        return grad.narrow(dim, cp.rank * n, n).contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, cp: CPGroup, dim: int) -> torch.Tensor:
+    """Every process's ``x`` along ``dim``, rank-major, differentiable (see :class:`_GatherSequence`)."""
+    if cp.world == 1:
+        return x
+    return _GatherSequence.apply(x, cp, dim)
+
+
+def _gather_ids(t: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    if cp.world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(cp.world)]
+    dist.all_gather(parts, t.contiguous(), group=cp.group)
+    return torch.cat(parts, dim=1)
+
+
+def document_mask(position_ids: torch.Tensor, documents: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """``[B, 1, local queries, keys]`` bool: the key is in the query's document and not after it
+    (by position in the document); keys in the rank-major order :func:`gather_sequence` gives."""
+    key_positions, key_documents = _gather_ids(position_ids, cp), _gather_ids(documents, cp)
+    same = documents[:, :, None] == key_documents[:, None, :]
+    causal = key_positions[:, None, :] <= position_ids[:, :, None]
+    return (same & causal)[:, None]
+
+
+def _family_eager(module: torch.nn.Module) -> Any:
+    """The eager attention function of the module's own modeling file (Gemma's soft-capping and the
+    like live there), else Llama's."""
+    import sys
+
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if own is not None:
+        return own
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return eager_attention_forward
+
+
+def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cp = _group_of(module)
+    position_ids = kwargs.pop("position_ids", None)
+    documents = kwargs.pop(DOCUMENTS_KEY, None)
+    if position_ids is None or documents is None:
+        raise ValueError(f"context-parallel attention needs the shard's position_ids and {DOCUMENTS_KEY}: pass "
+                         "the inputs cp.shard(batch) returns (model(**cp.shard(batch))); a model whose attention "
+                         "does not receive the forward's keyword arguments cannot run context-parallel")
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        raise ValueError(f"{type(module).__name__} has a sliding window: context parallelism does not apply windows "
+                         "to global positions yet; train this model without context parallelism")
+    mask = document_mask(position_ids.expand(query.shape[0], -1), documents.expand(query.shape[0], -1), cp)
+    key = gather_sequence(key, cp, dim=2)
+    value = gather_sequence(value, cp, dim=2)
+    if inner == "eager":
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+        return _family_eager(module)(module, query, key, value, mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, is_causal=False, **kwargs)
+
+
+def cp_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Transformers' sdpa attention over the group's keys, under the row's document mask."""
+    return _attend("sdpa", module, query, key, value, attention_mask, **kwargs)
+
+
+def cp_eager_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Transformers' eager attention over the group's keys, under the row's document mask."""
+    return _attend("eager", module, query, key, value, attention_mask, **kwargs)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The mask Transformers would build from a shard is not the row's: attention builds its own."""
+    return None
+
+
+def register_implementations() -> None:
+    """Register ``cp_sdpa`` and ``cp_eager`` with Transformers' attention (and mask) interfaces."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for fn, name in ((cp_sdpa_attention, "cp_sdpa"), (cp_eager_attention, "cp_eager")):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, _no_mask)

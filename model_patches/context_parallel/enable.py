@@ -1,0 +1,222 @@
+"""``enable_context_parallel(model, group)``: packed documents with the sequence sharded over a
+process group, every document still alone, the loss the one process's.
+
+A hand-written loop::
+
+    cp = model_patches.enable_context_parallel(model, mesh["cp"].get_group())
+    inputs = cp.shard(batch)                  # the packed global batch -> this process's shard
+    loss = model(**inputs).loss               # this process's share of the global mean
+    loss.backward()
+    for p in model.parameters():              # the gradients sum over the group (or let FSDP2/DDP
+        dist.all_reduce(p.grad, group=cp.group)  #  reduce over it; see ContextParallelHandle.shard)
+
+Attention: :mod:`.attention` (keys and values gathered, ``[local queries, keys]`` document mask,
+Transformers' sdpa or eager). Layout: :mod:`.layout` (every document cut head-tail over the group,
+documents from ``position_ids`` or an indexed mask).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .attention import (
+    DOCUMENTS_KEY,
+    IMPLEMENTATIONS,
+    CPGroup,
+    register_group,
+    register_implementations,
+    unregister_group,
+)
+from .layout import DocumentLayout, document_ids
+
+__all__ = ["ContextParallelHandle", "enable_context_parallel"]
+
+logger = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every config object the model's modules read ``_attn_implementation`` from."""
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def _refusal(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot run context-parallel, or None."""
+    for config in _configs(model):
+        impl = config._attn_implementation
+        if impl not in IMPLEMENTATIONS and impl not in IMPLEMENTATIONS.values():
+            return (f"attention implementation {impl!r}: context parallelism with packed documents runs on "
+                    f"{sorted(IMPLEMENTATIONS)} here; load the model with attn_implementation='sdpa'")
+        kinds = set(getattr(config, "layer_types", None) or ())
+        if kinds - {"full_attention"}:
+            return (f"layer types {sorted(kinds - {'full_attention'})}: sliding-window, chunked and stateful "
+                    "(linear-attention, SSM) layers are not kept correct under context parallelism; train this "
+                    "model without it")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return ("a sliding window: windows would have to apply to global positions under context "
+                    "parallelism; train this model without it")
+    return None
+
+
+class ContextParallelHandle:
+    """What :func:`enable_context_parallel` returns: :meth:`shard`, :meth:`unshard`, :meth:`remove`
+    (also a context manager). ``group``: the process group; ``world``, ``rank``: its size and
+    this process's rank in it."""
+
+    def __init__(self, model: nn.Module, cp: CPGroup, previous: dict[int, str], configs: list[Any]) -> None:
+        self.model, self._cp, self._previous, self._configs = model, cp, previous, configs
+        self._last: Optional[DocumentLayout] = None
+        self.removed = False
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        return self._cp.group
+
+    @property
+    def world(self) -> int:
+        return self._cp.world
+
+    @property
+    def rank(self) -> int:
+        return self._cp.rank
+
+    def shard(self, batch: Mapping[str, Any], num_items_in_batch: Optional[int] = None) -> dict[str, Any]:
+        """This process's inputs from a packed global batch.
+
+        Args:
+            batch: ``input_ids`` ``[B, T]``, and optionally ``labels`` ``[B, T]`` (``-100`` ignored),
+                ``position_ids`` ``[B, T]`` (each document counts from 0) or ``attention_mask``
+                ``[B, T]`` as document ids (``PackingCollator``'s: 1, 2, ... per document, 0
+                padding); with neither, each row is one document. The same batch on every process of
+                the group.
+            num_items_in_batch: the labels the loss is averaged over, when the step spans more than
+                this batch (data-parallel replicas, gradient accumulation): their total count.
+                Default: this batch's labels.
+
+        Returns:
+            ``input_ids``, ``position_ids`` and ``cp_document_ids`` of this process's tokens (``[B,
+            L]``: pieces ``rank`` and ``2 * world - 1 - rank`` of every document, padded to the
+            longest process's), and, with labels, ``labels`` and ``shift_labels`` (the labels shifted
+            by one over the whole row before sharding, so the token before a piece boundary still
+            predicts the one after it) and ``num_items_in_batch``. ``model(**inputs).loss`` is then
+            this process's sum of token losses over the global label count: the losses over the
+            group sum to the one process's mean, and so do the gradients. All-reduce (sum) the
+            gradients over the group; an engine that averages over the group instead (FSDP2 or DDP
+            over a mesh that includes it) gives the one process's gradients divided by the group
+            size, so multiply the loss by ``world`` there. No gradient is scaled by the group size
+            otherwise.
+        """
+        ids = batch["input_ids"]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+        positions, documents = _positions_and_documents(batch, ids)
+        layout = DocumentLayout.of(documents, self.world)
+        self._last = layout
+        rank, width = self.rank, layout.local_tokens
+        pads = layout.index[rank] < 0
+        # padding: its own document (negative, unique over the group), position 0, no label
+        own = -(1 + rank * width + torch.arange(width)).expand_as(pads)
+        out: dict[str, Any] = {
+            "input_ids": layout.shard(ids, rank, fill=0),
+            "position_ids": layout.shard(positions, rank, fill=0),
+            DOCUMENTS_KEY: torch.where(pads, own, layout.shard(documents, rank, fill=0)),
+        }
+        labels = batch.get("labels")
+        if labels is not None:
+            shifted = torch.full_like(labels, IGNORE_INDEX)
+            shifted[:, :-1] = labels[:, 1:]
+            local = layout.shard(shifted, rank, fill=IGNORE_INDEX)
+            count = int((shifted != IGNORE_INDEX).sum()) if num_items_in_batch is None else int(num_items_in_batch)
+            out.update(labels=local, shift_labels=local, num_items_in_batch=torch.tensor(max(count, 1)))
+        return out
+
+    def unshard(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-token local output of the last :meth:`shard`'s inputs (logits, per-token losses:
+        ``[B, L, ...]``) in the whole batch's order ``[B, T, ...]``, on every process (padding
+        dropped)."""
+        if self._last is None:
+            raise RuntimeError("unshard puts back the tokens of the last shard(batch): call shard first")
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return self._last.unshard(torch.cat(parts, dim=1))
+
+    def remove(self) -> None:
+        """Put the model's attention implementation back and forget its group."""
+        if self.removed:
+            return
+        for config in self._configs:
+            config._attn_implementation = self._previous[id(config)]
+            unregister_group(config)
+        self.removed = True
+
+    def __enter__(self) -> "ContextParallelHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"<ContextParallelHandle world={self.world} rank={self.rank}{' removed' if self.removed else ''}>"
+
+
+def _positions_and_documents(batch: Mapping[str, Any], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``position_ids`` and document ids ``[B, T]`` of the packed rows: from ``position_ids``, else
+    from an indexed ``attention_mask`` (positions counted within its documents; padding, 0, its
+    own document per token), else one document per row."""
+    index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    positions = batch.get("position_ids")
+    if positions is not None:
+        positions = positions.expand_as(ids)
+        return positions, document_ids(positions)
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return index, torch.ones_like(ids)
+    docs = mask.long()
+    start = torch.ones_like(docs, dtype=torch.bool)
+    start[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    start |= docs == 0
+    first = torch.where(start, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first, start.long().cumsum(dim=1)
+
+
+def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> ContextParallelHandle:
+    """Run ``model``'s attention context-parallel over ``group`` (None: the default group), packed
+    documents kept apart.
+
+    Each process holds a head-tail piece of every packed document (:meth:`ContextParallelHandle.shard`);
+    each attention layer all-gathers keys and values over the group and attends its local queries
+    to them under the whole row's document mask (same document, causal), ``[local, T]`` per row.
+    Runs on the sdpa and eager implementations. Refused, with the setting to change: other
+    attention implementations, sliding-window and chunked layers, stateful mixers.
+
+    Returns:
+        A :class:`ContextParallelHandle` (``remove()`` or ``with``).
+    """
+    why = _refusal(model)
+    if why is not None:
+        raise ValueError(f"enable_context_parallel: {type(model).__name__} has {why}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("enable_context_parallel needs an initialised process group "
+                           "(torch.distributed.init_process_group)")
+    register_implementations()
+    cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group))
+    configs = _configs(model)
+    previous = {}
+    for config in configs:
+        previous[id(config)] = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATIONS.get(config._attn_implementation, config._attn_implementation)
+        register_group(config, cp)
+    logger.info("context parallel over %d processes (rank %d): %s", cp.world, cp.rank,
+                sorted({c._attn_implementation for c in configs}))
+    return ContextParallelHandle(model, cp, previous, configs)
+

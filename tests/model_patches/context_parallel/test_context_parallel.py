@@ -1,0 +1,104 @@
+"""``model_patches.enable_context_parallel``: packed documents with the sequence sharded over 2 and
+4 gloo processes (one process group of 4 for the module), trained through sdpa and eager.
+
+After 3 optimizer steps the losses and gradients equal one process's on the same batches (1e-5
+relative); changing one document that spans every process leaves every other document's logits
+bitwise unchanged on every rank; attention work per process is even on packed batches; what
+cannot be kept correct is refused with the setting to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.harness.dist_pool import dist_pool_fixture
+from model_patches.context_parallel import DocumentLayout, document_ids, pairs_per_rank
+from tests.model_patches.context_parallel import workers
+
+pool = dist_pool_fixture(4)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Within 1e-5 relative, as a whole: ``|a - b| <= 1e-5 |b|`` (Frobenius norms). Sharding changes
+    the order of the sums (attention over gathered keys, the loss over pieces), so single entries
+    near zero differ by round-off relative to themselves."""
+    error = float((a - b).norm() / b.norm().clamp(min=1e-30))
+    assert error <= 1e-5, f"{what}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("world, attention, linear_loss", [(2, "sdpa", False), (2, "eager", False),
+                                                         (4, "sdpa", False), (2, "sdpa", True)])
+def test_three_steps_equal_one_process(pool, world, attention, linear_loss):
+    runs = pool.run(workers.train_steps, (world,), "llama", attention, 3, 100, 0, linear_loss)
+    for rank, r in enumerate(runs[:world]):
+        reference, sharded = r["losses"]
+        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
+        grads_ref, grads_cp = r["grads"]
+        assert grads_ref.keys() == grads_cp.keys()
+        for name in grads_ref:
+            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+        weights_ref, weights_cp = r["weights"]
+        for name in weights_ref:
+            _close(weights_cp[name], weights_ref[name], f"rank {rank}: weight {name}")
+        assert r["implementation"] == attention  # put back by remove()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_document_sees_another(pool, world):
+    for r in pool.run(workers.perturbed_document, (world,), "llama", "sdpa", 100)[:world]:
+        others = ~r["victim"]
+        assert r["victim_tokens"] >= 2 * world  # a piece on every process
+        assert torch.equal(r["after"][0, others], r["before"][0, others])
+        assert not torch.equal(r["after"][0, r["victim"]], r["before"][0, r["victim"]])
+
+
+def test_every_document_is_cut_head_tail_over_the_group():
+    documents = torch.tensor([[1] * 8 + [2] * 3])
+    layout = DocumentLayout.of(documents, world=2)
+    # document 1 (tokens 0-7): 4 pieces of 2, rank 0 holds pieces 0 and 3, rank 1 pieces 1 and 2;
+    # document 2 (tokens 8-10): pieces of 0, 1, 1, 1 tokens: rank 0 holds token 10, rank 1 8 and 9
+    assert layout.index[0, 0].tolist() == [0, 1, 6, 7, 10, -1]
+    assert layout.index[1, 0].tolist() == [2, 3, 4, 5, 8, 9]
+    values = torch.arange(11)[None] * 10
+    local = [layout.shard(values, r, fill=-1) for r in range(2)]
+    assert local[0][0, -1].item() == -1  # padding
+    assert torch.equal(layout.unshard(torch.cat(local, dim=1)), values)
+    assert document_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 5, 6]])).tolist() == [[1, 1, 1, 2, 2, 3, 4, 4]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_work_per_process_is_even_on_packed_batches(world):
+    batch = workers.packed_rows(4, 4096, 100, seed=1)
+    documents = document_ids(batch["position_ids"])
+    work = pairs_per_rank(documents, DocumentLayout.of(documents, world))
+    mean = sum(work) / world
+    assert max(abs(w - mean) for w in work) <= 0.2 * mean, work
+
+
+@pytest.mark.parametrize("family, overrides, match", [
+    ("llama", {"attn_implementation": "flex_attention"}, "attn_implementation='sdpa'"),
+    ("mistral", {"sliding_window": 16}, "sliding window"),
+    ("gemma2", {}, "sliding_attention"),
+    ("qwen3_next", {}, "linear_attention"),
+])
+def test_what_cannot_be_kept_correct_is_refused(family, overrides, match):
+    import model_patches
+    from tests.support.tiny_models import tiny_ac_model
+
+    implementation = overrides.pop("attn_implementation", None)
+    model = tiny_ac_model(family, **overrides)
+    if implementation:
+        model.config._attn_implementation = implementation
+    with pytest.raises(ValueError, match=match):
+        model_patches.enable_context_parallel(model)
+
+
+def test_without_a_process_group_it_says_so():
+    import torch.distributed as dist
+
+    import model_patches
+    from tests.support.tiny_models import tiny_ac_model
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        model_patches.enable_context_parallel(tiny_ac_model("llama"))
+    assert not dist.is_initialized()
