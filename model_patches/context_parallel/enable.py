@@ -54,7 +54,10 @@ def _refusal(model: nn.Module) -> Optional[str]:
     """Why ``model`` cannot run context-parallel, or None."""
     for config in _configs(model):
         impl = config._attn_implementation
-        if impl not in IMPLEMENTATIONS and impl not in IMPLEMENTATIONS.values():
+        if impl in IMPLEMENTATIONS.values():
+            return (f"context-parallel attention ({impl}) already: remove the first handle before enabling it "
+                    "again")
+        if impl not in IMPLEMENTATIONS:
             return (f"attention implementation {impl!r}: context parallelism with packed documents runs on "
                     f"{sorted(IMPLEMENTATIONS)} here; load the model with attn_implementation='sdpa'")
         kinds = set(getattr(config, "layer_types", None) or ())

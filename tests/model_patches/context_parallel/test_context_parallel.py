@@ -80,6 +80,7 @@ def test_attention_work_per_process_is_even_on_packed_batches(world):
     ("mistral", {"sliding_window": 16}, "sliding window"),
     ("gemma2", {}, "sliding_attention"),
     ("qwen3_next", {}, "linear_attention"),
+    ("llama", {"attn_implementation": "cp_sdpa"}, "remove the first handle"),
 ])
 def test_what_cannot_be_kept_correct_is_refused(family, overrides, match):
     import model_patches
