@@ -66,6 +66,11 @@ class _ModuleTracker(ModTracker):
 
     @staticmethod
     def _reachable(tree: Any) -> Any:
+        # the common call, a tensor or a tuple of them that autograd reaches, costs no tree walk
+        if isinstance(tree, torch.Tensor):
+            return tree if _has_graph(tree) else tree.detach()
+        if isinstance(tree, tuple) and all(isinstance(a, torch.Tensor) and _has_graph(a) for a in tree):
+            return tree
         return tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) and not _has_graph(a) else a, tree)
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
