@@ -43,6 +43,26 @@ def test_three_steps_equal_one_process(pool, world, attention, linear_loss):
         assert r["implementation"] == attention  # put back by remove()
 
 
+def test_two_accumulated_micro_batches_equal_one_process(pool):
+    for rank, r in enumerate(pool.run(workers.accumulated_step, (2,), "llama", 100)[:2]):
+        reference, sharded = r["losses"]
+        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
+        grads_ref, grads_cp = r["grads"]
+        assert grads_ref.keys() == grads_cp.keys()
+        for name in grads_ref:
+            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+
+
+def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
+    for rank, r in enumerate(pool.run(workers.fsdp_cp_step, (2, 2), "llama", 100, dim_names=("dp", "cp"))):
+        reference, sharded = r["losses"]
+        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
+        grads_ref, grads_cp = r["grads"]
+        assert grads_ref.keys() == grads_cp.keys()
+        for name in grads_ref:
+            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_no_document_sees_another(pool, world):
     for r in pool.run(workers.perturbed_document, (world,), "llama", "sdpa", 100)[:world]:

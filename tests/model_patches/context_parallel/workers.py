@@ -106,3 +106,66 @@ def perturbed_document(mesh: Optional[Any], family: str, attention: str, tokens:
         after = cp.unshard(model(**cp.shard(changed)).logits)
     cp.remove()
     return {"before": before, "after": after, "victim": where, "victim_tokens": int(where.sum())}
+
+
+def accumulated_step(mesh: Optional[Any], family: str, tokens: int) -> Optional[dict[str, Any]]:
+    """One step of 2 accumulated micro-batches: context-parallel (each micro-batch's loss over the
+    step's label count, passed to ``shard``) against one process on the 2 micro-batches as one batch.
+    Returns both losses and gradients."""
+    if mesh is None:
+        return None
+    reference = _model(family, "sdpa", 0)
+    sharded = copy.deepcopy(reference)
+    group = mesh.get_group()
+    cp = model_patches.enable_context_parallel(sharded, group)
+    vocab = reference.config.vocab_size
+    micro = [packed_rows(1, tokens, vocab, seed=10 + i) for i in range(2)]
+    whole = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
+    loss_ref = reference(**whole).loss
+    loss_ref.backward()
+    count = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro)
+    total = torch.zeros(())
+    for m in micro:
+        local = sharded(**cp.shard(m, num_items_in_batch=count)).loss
+        local.backward()
+        total += local.detach()
+    dist.all_reduce(total, group=group)
+    for p in sharded.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+    cp.remove()
+    return {"losses": (loss_ref.detach(), total), "grads": (_grads(reference), _grads(sharded))}
+
+
+def fsdp_cp_step(mesh: Optional[Any], family: str, tokens: int) -> Optional[dict[str, Any]]:
+    """One step on a (dp, cp) mesh: FSDP2 over all its processes, context parallelism over ``cp``,
+    one packed batch per ``dp`` replica; the loss over the step's label count, multiplied by the
+    processes FSDP2 averages over. Against one process on both batches as one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    if mesh is None:
+        return None
+    reference = _model(family, "sdpa", 0)
+    sharded = copy.deepcopy(reference)
+    cp = model_patches.enable_context_parallel(sharded, mesh["cp"].get_group())
+    everyone = init_device_mesh("cpu", (mesh.size(),))
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=everyone)
+    fully_shard(sharded, mesh=everyone)
+    vocab = reference.config.vocab_size
+    batches = [packed_rows(1, tokens, vocab, seed=20 + i) for i in range(mesh["dp"].size())]
+    whole = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    loss_ref = reference(**whole).loss
+    loss_ref.backward()
+    count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    mine = batches[mesh["dp"].get_local_rank()]
+    local = sharded(**cp.shard(mine, num_items_in_batch=count)).loss
+    (local * mesh.size()).backward()  # FSDP2 averages the gradients over every process
+    total = local.detach().clone()
+    dist.all_reduce(total)
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+             for n, p in sharded.named_parameters() if p.grad is not None}
+    cp.remove()
+    return {"losses": (loss_ref.detach(), total), "grads": (_grads(reference), grads)}
