@@ -26,17 +26,21 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert error <= 1e-5, f"{what}: relative error {error:.2e}"
 
 
+def _same_losses_and_gradients(r: dict, rank: int) -> None:
+    reference, sharded = r["losses"]
+    torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
+    grads_ref, grads_cp = r["grads"]
+    assert grads_ref.keys() == grads_cp.keys()
+    for name in grads_ref:
+        _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+
+
 @pytest.mark.parametrize("world, attention, linear_loss", [(2, "sdpa", False), (2, "eager", False),
                                                          (4, "sdpa", False), (2, "sdpa", True)])
 def test_three_steps_equal_one_process(pool, world, attention, linear_loss):
     runs = pool.run(workers.train_steps, (world,), "llama", attention, 3, 100, 0, linear_loss)
     for rank, r in enumerate(runs[:world]):
-        reference, sharded = r["losses"]
-        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
-        grads_ref, grads_cp = r["grads"]
-        assert grads_ref.keys() == grads_cp.keys()
-        for name in grads_ref:
-            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+        _same_losses_and_gradients(r, rank)
         weights_ref, weights_cp = r["weights"]
         for name in weights_ref:
             _close(weights_cp[name], weights_ref[name], f"rank {rank}: weight {name}")
@@ -45,22 +49,12 @@ def test_three_steps_equal_one_process(pool, world, attention, linear_loss):
 
 def test_two_accumulated_micro_batches_equal_one_process(pool):
     for rank, r in enumerate(pool.run(workers.accumulated_step, (2,), "llama", 100)[:2]):
-        reference, sharded = r["losses"]
-        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
-        grads_ref, grads_cp = r["grads"]
-        assert grads_ref.keys() == grads_cp.keys()
-        for name in grads_ref:
-            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+        _same_losses_and_gradients(r, rank)
 
 
 def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
     for rank, r in enumerate(pool.run(workers.fsdp_cp_step, (2, 2), "llama", 100, dim_names=("dp", "cp"))):
-        reference, sharded = r["losses"]
-        torch.testing.assert_close(sharded, reference, rtol=1e-5, atol=1e-6)
-        grads_ref, grads_cp = r["grads"]
-        assert grads_ref.keys() == grads_cp.keys()
-        for name in grads_ref:
-            _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
+        _same_losses_and_gradients(r, rank)
 
 
 @pytest.mark.parametrize("world", [2, 4])
