@@ -141,10 +141,10 @@ def _search(run: Callable[[int], MemoryEstimate], budget: int, start: int, max_t
         logger.info("longest_context: %d tokens -> peak %s (%s)", tokens, format_bytes(e.peak), "fits" if ok else "over")
         return ok
 
-    def nearest(tokens: int) -> list[tuple[int, MemoryEstimate]]:
-        """The three traced lengths nearest ``tokens`` (by ratio)."""
+    def nearest(tokens: int, count: int = 3) -> list[tuple[int, MemoryEstimate]]:
+        """The ``count`` traced lengths nearest ``tokens`` (by ratio), with their estimates."""
         order = sorted(traced, key=lambda t: abs(math.log(t / tokens)))
-        return [(t, traced[t]) for t in order[:3]]
+        return [(t, traced[t]) for t in order[:count]]
 
     def crossing(lower: int, upper: int) -> int:
         """The longest multiple in ``(lower, upper]`` predicted to fit with the prediction's
@@ -172,14 +172,14 @@ def _search(run: Callable[[int], MemoryEstimate], budget: int, start: int, max_t
             break
         if ok and t >= max_tokens or hi and hi <= lo * resolution:
             break
-        near = sorted(traced, key=lambda n: abs(math.log(n / lo)))[:4]
+        near = nearest(lo, 4)
         if expected is not None and ok and abs(expected.peak - traced[t].peak) <= TOLERANCE * traced[t].peak:
             # the traced answer is where the quadratic put it: the next length it puts over is "too long"
             over = _predicted_over(lambda n, points=nearest(lo): predict(points, n), budget, lo, max_tokens, resolution, multiple)
             if over is not None:
                 return lo, traced[lo], over[0], over[1]
         expected = None
-        if len(near) == 4 and predicts([(n, traced[n]) for n in near]):
+        if len(near) == 4 and predicts(near):
             guess = crossing(lo, (hi - multiple) if hi else max_tokens)
             if lo < guess and (hi or guess < MAX_JUMP * lo):
                 t, expected = guess, predict(nearest(guess), guess)

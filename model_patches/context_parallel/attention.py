@@ -26,7 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["DOCUMENTS_KEY", "IMPLEMENTATIONS", "CPGroup", "gather_sequence", "register_group", "unregister_group"]
+__all__ = ["DOCUMENTS_KEY", "IMPLEMENTATIONS", "CPGroup", "gather_sequence", "gather_tokens", "register_group",
+           "unregister_group"]
 
 #: The keyword argument that carries each local token's document id from the model's call to its
 #: attention layers (Transformers passes a forward's extra keyword arguments down to attention).
@@ -76,9 +77,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cp: CPGroup, dim: int) -> torch.Tensor:
         ctx.cp, ctx.dim, ctx.local = cp, dim, x.shape[dim]
-        parts = [torch.empty_like(x) for _ in range(cp.world)]
-        dist.all_gather(parts, x.contiguous(), group=cp.group)
-        return torch.cat(parts, dim=dim)
+        return gather_tokens(x, cp, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None]:
@@ -95,18 +94,19 @@ def gather_sequence(x: torch.Tensor, cp: CPGroup, dim: int) -> torch.Tensor:
     return _GatherSequence.apply(x, cp, dim)
 
 
-def _gather_ids(t: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+def gather_tokens(t: torch.Tensor, cp: CPGroup, dim: int = 1) -> torch.Tensor:
+    """Every process's ``t`` along ``dim``, rank-major, without a gradient."""
     if cp.world == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(cp.world)]
     dist.all_gather(parts, t.contiguous(), group=cp.group)
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=dim)
 
 
 def document_mask(position_ids: torch.Tensor, documents: torch.Tensor, cp: CPGroup) -> torch.Tensor:
     """``[B, 1, local queries, keys]`` bool: the key is in the query's document and not after it
     (by position in the document); keys in the rank-major order :func:`gather_sequence` gives."""
-    key_positions, key_documents = _gather_ids(position_ids, cp), _gather_ids(documents, cp)
+    key_positions, key_documents = gather_tokens(position_ids, cp), gather_tokens(documents, cp)
     same = documents[:, :, None] == key_documents[:, None, :]
     causal = key_positions[:, None, :] <= position_ids[:, :, None]
     return (same & causal)[:, None]

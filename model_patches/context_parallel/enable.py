@@ -28,6 +28,7 @@ from .attention import (
     DOCUMENTS_KEY,
     IMPLEMENTATIONS,
     CPGroup,
+    gather_tokens,
     register_group,
     register_implementations,
     unregister_group,
@@ -149,9 +150,7 @@ class ContextParallelHandle:
         dropped)."""
         if self._last is None:
             raise RuntimeError("unshard puts back the tokens of the last shard(batch): call shard first")
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return self._last.unshard(torch.cat(parts, dim=1))
+        return self._last.unshard(gather_tokens(t, self._cp))
 
     def remove(self) -> None:
         """Put the model's attention implementation back and forget its group."""
