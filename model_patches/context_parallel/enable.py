@@ -35,7 +35,7 @@ from .attention import (
 )
 from .layout import DocumentLayout, document_ids
 
-__all__ = ["ContextParallelHandle", "enable_context_parallel"]
+__all__ = ["ContextParallelHandle", "enable_context_parallel", "shard_batch"]
 
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -101,8 +101,9 @@ class ContextParallelHandle:
             batch: ``input_ids`` ``[B, T]``, and optionally ``labels`` ``[B, T]`` (``-100`` ignored),
                 ``position_ids`` ``[B, T]`` (each document counts from 0) or ``attention_mask``
                 ``[B, T]`` as document ids (``PackingCollator``'s: 1, 2, ... per document, 0
-                padding); with neither, each row is one document. The same batch on every process of
-                the group.
+                padding); with neither, each row is one document; ``shift_labels`` ``[B, T]`` (the
+                labels already shifted by one) in place of ``labels``. The same batch on every
+                process of the group.
             num_items_in_batch: the labels the loss is averaged over, when the step spans more than
                 this batch (data-parallel replicas, gradient accumulation): their total count.
                 Default: this batch's labels.
@@ -120,28 +121,7 @@ class ContextParallelHandle:
             size, so multiply the loss by ``world`` there. No gradient is scaled by the group size
             otherwise.
         """
-        ids = batch["input_ids"]
-        if ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
-        positions, documents = _positions_and_documents(batch, ids)
-        layout = DocumentLayout.of(documents, self.world)
-        self._last = layout
-        rank, width = self.rank, layout.local_tokens
-        pads = layout.index[rank] < 0
-        # padding: its own document (negative, unique over the group), position 0, no label
-        own = -(1 + rank * width + torch.arange(width)).expand_as(pads)
-        out: dict[str, Any] = {
-            "input_ids": layout.shard(ids, rank, fill=0),
-            "position_ids": layout.shard(positions, rank, fill=0),
-            DOCUMENTS_KEY: torch.where(pads, own, layout.shard(documents, rank, fill=0)),
-        }
-        labels = batch.get("labels")
-        if labels is not None:
-            shifted = torch.full_like(labels, IGNORE_INDEX)
-            shifted[:, :-1] = labels[:, 1:]
-            local = layout.shard(shifted, rank, fill=IGNORE_INDEX)
-            count = int((shifted != IGNORE_INDEX).sum()) if num_items_in_batch is None else int(num_items_in_batch)
-            out.update(labels=local, shift_labels=local, num_items_in_batch=torch.tensor(max(count, 1)))
+        out, self._last = shard_batch(batch, self.world, self.rank, num_items_in_batch)
         return out
 
     def unshard(self, t: torch.Tensor) -> torch.Tensor:
@@ -169,6 +149,37 @@ class ContextParallelHandle:
 
     def __repr__(self) -> str:
         return f"<ContextParallelHandle world={self.world} rank={self.rank}{' removed' if self.removed else ''}>"
+
+
+def shard_batch(batch: Mapping[str, Any], world: int, rank: int,
+                num_items_in_batch: Optional[int] = None) -> tuple[dict[str, Any], DocumentLayout]:
+    """Process ``rank``'s inputs of ``world`` from a packed global batch, and the layout that cut it
+    (what :meth:`ContextParallelHandle.shard` returns; see there). ``shift_labels`` in ``batch``
+    (labels already shifted by one, as padding-free collators give them) are used as they are."""
+    ids = batch["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+    positions, documents = _positions_and_documents(batch, ids)
+    layout = DocumentLayout.of(documents, world)
+    width = layout.local_tokens
+    pads = layout.index[rank] < 0
+    # padding: its own document (negative, unique over the group), position 0, no label
+    own = -(1 + rank * width + torch.arange(width, device=ids.device)).expand_as(pads)
+    out: dict[str, Any] = {
+        "input_ids": layout.shard(ids, rank, fill=0),
+        "position_ids": layout.shard(positions, rank, fill=0),
+        DOCUMENTS_KEY: torch.where(pads, own, layout.shard(documents, rank, fill=0)),
+    }
+    shifted = batch.get("shift_labels")
+    labels = batch.get("labels")
+    if shifted is None and labels is not None:
+        shifted = torch.full_like(labels, IGNORE_INDEX)
+        shifted[:, :-1] = labels[:, 1:]
+    if shifted is not None:
+        local = layout.shard(shifted, rank, fill=IGNORE_INDEX)
+        count = int((shifted != IGNORE_INDEX).sum()) if num_items_in_batch is None else int(num_items_in_batch)
+        out.update(labels=local, shift_labels=local, num_items_in_batch=torch.tensor(max(count, 1)))
+    return out, layout
 
 
 def _positions_and_documents(batch: Mapping[str, Any], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
+from ..context_parallel.trainer import context_parallel_trainer_status, enable_context_parallel_trainer
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
 from ..targets import model_modules
 from .aux_loss import AUX_LOSS_NAME
@@ -42,6 +43,10 @@ def enable_packing(
 
     Masks: 2D int and whole-number float masks are read as document ids (0 = padding), bool
     masks pass through; packed ``position_ids`` split documents too. Shapes ``[batch, seq]``.
+
+    With it, ``Trainer`` under Accelerate's ``ParallelismConfig(cp_size=N)`` shards packed batches
+    over the context-parallel processes with every document kept apart (Transformers 5.19+; refused
+    before, see :mod:`model_patches.context_parallel.trainer`).
     """
     if model is not None:
         _refuse_capabilities(model, assume_patched=True)
@@ -49,6 +54,8 @@ def enable_packing(
         extra_modules = [*extra_modules, *own]
     handle = apply_records(packing_records(extra_modules), strict=strict, what="packing")
     handle.companions.append(apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT))
+    # Trainer under ParallelismConfig(cp_size=N): packed batches sharded with documents kept apart
+    handle.companions.append(enable_context_parallel_trainer())
     applied = sum(r.state == "applied" for r in handle.rows)
     logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
     if model is not None:
@@ -138,7 +145,8 @@ def packing_status(extra_modules: Sequence[str] = ()) -> StatusTable:
     """One row per record: name, target, versions, state (applied/available/skipped/failed/refused), reason.
 
     Lists every packing record that is live however it was applied (plain ``enable_packing()``,
-    ``model=``, ``extra_modules``, or a module discovered at the time), then one ``refused`` row
+    ``model=``, ``extra_modules``, or a module discovered at the time) and the context-parallel
+    Trainer records that come with it, then one ``refused`` row
     per capability of :data:`model_patches.packing.coverage.CAPABILITIES` with families it still
     refuses (or checks), and why, preceded by a ``made correct`` row listing the families where packing
     makes that capability document-aware (``applied`` while packing is on and every imported
@@ -148,6 +156,7 @@ def packing_status(extra_modules: Sequence[str] = ()) -> StatusTable:
     known = {r.target for r in records}
     records += [r for r in live_records() if r.target not in known and is_packing_record(r)]
     rows = record_status(records)
+    rows += context_parallel_trainer_status()
     for cap in CAPABILITIES:
         made = [family for family, _ in cap.made_correct]
         if made:
