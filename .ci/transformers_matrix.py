@@ -32,6 +32,8 @@ RELEASES: dict[str, tuple[str, list[str]]] = {
     "4.57.6": ("4.53-5.3", [
         "huggingface_hub==0.36.2", "tokenizers==0.22.2", "requests==2.34.2",
         "charset-normalizer==3.5.3", "urllib3==2.8.0", "certifi==2026.10.19.post1",
+        # Trainer's module imports datasets; the virtualenv's release needs huggingface_hub 2
+        "datasets==4.4.1", "httpx==0.29.0", "httpcore==1.0.9",
     ]),
     "5.3.0": ("4.53-5.3", [
         "huggingface_hub==1.33.0", "tokenizers==0.22.2", "httpx==0.29.0", "httpcore==1.0.9",

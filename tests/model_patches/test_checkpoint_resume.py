@@ -19,8 +19,8 @@ from model_patches.checkpoint_resume import restore_checkpoint_layout
 from tests.model_patches.workers.resume import run
 from tests.support.tiny_models import tiny_loss_model
 
-# The matrix's oldest release pins a huggingface_hub that the installed datasets (imported by
-# transformers.trainer there) does not import with: Trainer cannot run in that environment.
+# Trainer's module imports datasets: an environment whose datasets and huggingface_hub disagree
+# cannot run Trainer at all.
 pytest.importorskip("transformers.trainer", exc_type=ImportError)
 
 #: family -> the patch the resumed process trains with
@@ -33,7 +33,8 @@ def _converts() -> bool:
 
 
 def _resume_in_a_new_process(family: str, patch: str, out: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    # the same import path as this process (the Transformers matrix puts a release in front)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)}
     done = subprocess.run([sys.executable, "-m", "tests.model_patches.workers.resume", family, patch, out, "resume"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
