@@ -66,6 +66,11 @@ def _refusal(model: nn.Module) -> Optional[str]:
             return (f"layer types {sorted(kinds - {'full_attention'})}: sliding-window, chunked and stateful "
                     "(linear-attention, SSM) layers are not kept correct under context parallelism; train this "
                     "model without it")
+        if getattr(config, "output_router_logits", False):
+            return ("output_router_logits=True: the MoE load-balancing loss would be computed per process over "
+                    "its own tokens (and their padding), not over the whole sequence; set "
+                    "config.output_router_logits=False (router_aux_loss_coef does not train) or train this model "
+                    "without context parallelism")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             return ("a sliding window: windows would have to apply to global positions under context "
                     "parallelism; train this model without it")
@@ -209,8 +214,9 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     Each process holds a head-tail piece of every packed document (:meth:`ContextParallelHandle.shard`);
     each attention layer all-gathers keys and values over the group and attends its local queries
     to them under the whole row's document mask (same document, causal), ``[local, T]`` per row.
-    Runs on the sdpa and eager implementations. Refused, with the setting to change: other
-    attention implementations, sliding-window and chunked layers, stateful mixers.
+    Runs on the sdpa and eager implementations; MoE models route each token where it is. Refused,
+    with the setting to change: other attention implementations, sliding-window and chunked layers,
+    stateful mixers, a MoE load-balancing loss (``output_router_logits``).
 
     Returns:
         A :class:`ContextParallelHandle` (``remove()`` or ``with``).
