@@ -18,7 +18,8 @@ documents from ``position_ids`` or an indexed mask).
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+import sys
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,15 @@ from .attention import (
     unregister_group,
 )
 from .layout import DocumentLayout, document_ids
+from .router_loss import forward_hooks
 
 __all__ = ["ContextParallelHandle", "enable_context_parallel", "shard_batch"]
 
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
+#: The MoE load-balancing loss function of a Transformers model module (the packing patch's
+#: ``model_patches.packing.aux_loss`` replaces it, and computes it over the whole sequence here).
+_ROUTER_LOSS = "load_balancing_loss_func"
 
 
 def _configs(model: nn.Module) -> list[Any]:
@@ -66,11 +71,6 @@ def _refusal(model: nn.Module) -> Optional[str]:
             return (f"layer types {sorted(kinds - {'full_attention'})}: sliding-window, chunked and stateful "
                     "(linear-attention, SSM) layers are not kept correct under context parallelism; train this "
                     "model without it")
-        if getattr(config, "output_router_logits", False):
-            return ("output_router_logits=True: the MoE load-balancing loss would be computed per process over "
-                    "its own tokens (and their padding), not over the whole sequence; set "
-                    "config.output_router_logits=False (router_aux_loss_coef does not train) or train this model "
-                    "without context parallelism")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             return ("a sliding window: windows would have to apply to global positions under context "
                     "parallelism; train this model without it")
@@ -82,8 +82,9 @@ class ContextParallelHandle:
     (also a context manager). ``group``: the process group; ``world``, ``rank``: its size and
     this process's rank in it."""
 
-    def __init__(self, model: nn.Module, cp: CPGroup, previous: dict[int, str], configs: list[Any]) -> None:
-        self.model, self._cp, self._previous, self._configs = model, cp, previous, configs
+    def __init__(self, model: nn.Module, cp: CPGroup, previous: dict[int, str], configs: list[Any],
+                 hooks: list[Any]) -> None:
+        self.model, self._cp, self._previous, self._configs, self._hooks = model, cp, previous, configs, hooks
         self._last: Optional[DocumentLayout] = None
         self.removed = False
 
@@ -141,6 +142,8 @@ class ContextParallelHandle:
         """Put the model's attention implementation back and forget its group."""
         if self.removed:
             return
+        for hook in self._hooks:
+            hook.remove()
         for config in self._configs:
             config._attn_implementation = self._previous[id(config)]
             unregister_group(config)
@@ -164,11 +167,12 @@ def shard_batch(batch: Mapping[str, Any], world: int, rank: int,
     ids = batch["input_ids"]
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(ids.shape)}")
-    positions, documents = _positions_and_documents(batch, ids)
+    positions, documents, padding = _positions_and_documents(batch, ids)
     layout = DocumentLayout.of(documents, world)
     width = layout.local_tokens
-    pads = layout.index[rank] < 0
-    # padding: its own document (negative, unique over the group), position 0, no label
+    pads = (layout.index[rank].to(ids.device) < 0) | layout.shard(padding, rank, fill=1).bool()
+    # padding (the layout's and the batch's own): its own document (negative, unique over the
+    # group), so that it attends to itself only and no MoE load-balancing loss counts it
     own = -(1 + rank * width + torch.arange(width, device=ids.device)).expand_as(pads)
     out: dict[str, Any] = {
         "input_ids": layout.shard(ids, rank, fill=0),
@@ -187,24 +191,51 @@ def shard_batch(batch: Mapping[str, Any], world: int, rank: int,
     return out, layout
 
 
-def _positions_and_documents(batch: Mapping[str, Any], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``position_ids`` and document ids ``[B, T]`` of the packed rows: from ``position_ids``, else
-    from an indexed ``attention_mask`` (positions counted within its documents; padding, 0, its
-    own document per token), else one document per row."""
+def _positions_and_documents(batch: Mapping[str, Any],
+                             ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``position_ids``, document ids and padding (1 where padding, long) ``[B, T]`` of the packed
+    rows: from ``position_ids``, else from an indexed ``attention_mask`` (positions counted within
+    its documents; padding, 0, its own document per token), else one document per row."""
     index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     positions = batch.get("position_ids")
+    none = torch.zeros_like(ids)
     if positions is not None:
         positions = positions.expand_as(ids)
-        return positions, document_ids(positions)
+        return positions, document_ids(positions), none
     mask = batch.get("attention_mask")
     if mask is None:
-        return index, torch.ones_like(ids)
+        return index, torch.ones_like(ids), none
     docs = mask.long()
     start = torch.ones_like(docs, dtype=torch.bool)
     start[:, 1:] = docs[:, 1:] != docs[:, :-1]
     start |= docs == 0
     first = torch.where(start, index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - first, start.long().cumsum(dim=1)
+    return index - first, start.long().cumsum(dim=1), (docs == 0).long()
+
+
+def _router_loss_check(model: nn.Module, configs: list[Any]) -> Callable[[dict[str, Any]], None]:
+    """``check(forward kwargs)``: raises when the forward asks for router logits (the MoE
+    load-balancing loss) and a model module's loss function is not the packing patch's, which
+    counts it over the whole sequence."""
+    from ..registry import is_applied
+
+    modules = sorted({type(m).__module__ for m in model.modules()})
+    targets = [f"{name}:{_ROUTER_LOSS}" for name in modules
+               if name in sys.modules and callable(vars(sys.modules[name]).get(_ROUTER_LOSS))]
+
+    def check(kwargs: dict[str, Any]) -> None:
+        wanted = kwargs.get("output_router_logits")
+        if wanted is None:
+            wanted = any(getattr(c, "output_router_logits", False) for c in configs)
+        missing = [t for t in targets if not is_applied(t)] if wanted else []
+        if missing:
+            raise ValueError(
+                f"enable_context_parallel: {type(model).__name__} computes the MoE load-balancing loss "
+                f"(output_router_logits=True) with {missing[0]} unpatched, so each process would count only its "
+                "own tokens: call model_patches.enable_packing(model) before the forward (its patch counts the "
+                "whole sequence), or set output_router_logits=False")
+
+    return check
 
 
 def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> ContextParallelHandle:
@@ -214,9 +245,11 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     Each process holds a head-tail piece of every packed document (:meth:`ContextParallelHandle.shard`);
     each attention layer all-gathers keys and values over the group and attends its local queries
     to them under the whole row's document mask (same document, causal), ``[local, T]`` per row.
-    Runs on the sdpa and eager implementations; MoE models route each token where it is. Refused,
-    with the setting to change: other attention implementations, sliding-window and chunked layers,
-    stateful mixers, a MoE load-balancing loss (``output_router_logits``).
+    Runs on the sdpa and eager implementations. MoE models route each token where it is; their
+    load-balancing loss (``output_router_logits``) is counted over the whole sequence, with
+    :func:`~model_patches.enable_packing` on (:mod:`.router_loss`). Refused, with the setting to
+    change: other attention implementations, sliding-window and chunked layers, stateful mixers,
+    the load-balancing loss without the packing patch.
 
     Returns:
         A :class:`ContextParallelHandle` (``remove()`` or ``with``).
@@ -224,12 +257,14 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     why = _refusal(model)
     if why is not None:
         raise ValueError(f"enable_context_parallel: {type(model).__name__} has {why}")
+    configs = _configs(model)
+    check = _router_loss_check(model, configs)
+    check({})
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("enable_context_parallel needs an initialised process group "
                            "(torch.distributed.init_process_group)")
     register_implementations()
     cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group))
-    configs = _configs(model)
     previous = {}
     for config in configs:
         previous[id(config)] = config._attn_implementation
@@ -237,5 +272,6 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
         register_group(config, cp)
     logger.info("context parallel over %d processes (rank %d): %s", cp.world, cp.rank,
                 sorted({c._attn_implementation for c in configs}))
-    return ContextParallelHandle(model, cp, previous, configs)
+    hooks = forward_hooks(model, cp, DOCUMENTS_KEY, check)
+    return ContextParallelHandle(model, cp, previous, configs, hooks)
 

@@ -6,6 +6,10 @@ Transformers' ``load_balancing_loss_func(gate_logits, num_experts, top_k, attent
 times, skewing the aux loss and the router gradients. The replacement hands the original a 0/1
 validity mask (``mask != 0``, in the mask's dtype) whenever the mask reads as document ids;
 bool masks and ``None`` pass through. No host sync, so it compiles without a break.
+
+Inside the forward of a model enabled with ``enable_context_parallel``, the loss is the whole
+sequence's, from every process's router logits
+(:func:`model_patches.context_parallel.router_loss.sequence_load_balancing_loss`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from ..arguments import argument, with_arguments
+from ..context_parallel.router_loss import active_forward, sequence_load_balancing_loss
 from ..targets import parameters, parameters_probe
 from .masks import reads_as_document_ids
 
@@ -34,6 +39,9 @@ def build_aux_loss(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def load_balancing_loss(*args: Any, **kwargs: Any) -> Any:
+        active = active_forward()
+        if active is not None:
+            return sequence_load_balancing_loss(original, params, args, kwargs, active)
         mask = argument(args, kwargs, params, "attention_mask")
         if reads_as_document_ids(mask):
             args, kwargs = with_arguments(args, kwargs, params, attention_mask=(mask != 0).to(mask.dtype))

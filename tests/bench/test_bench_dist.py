@@ -23,13 +23,15 @@ def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--only", "dist", "--dist-shape", "64,500", "--dist-hidden-shape",
          "32,16,500", "--dist-fsdp-shape", "256,32,500", "--dist-pipeline-shape", "256,32,500", "--dist-worlds", "2",
+         "--dist-cp-shape", "512,32,500,1", "--dist-cp-worlds", "1,2",
          "--dist-repeats", "1", "--dist-models", "on", "--out", str(tmp_path / "report"),
          "--no-progress", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reproduce: python -m bench --only dist --dist-shape 64,500" in proc.stdout
-    logits_table, hidden_table, fsdp_table, pipeline_table = json.loads(out.read_text())["sections"]["dist"]["tables"]
+    tables = json.loads(out.read_text())["sections"]["dist"]["tables"]
+    logits_table, hidden_table, fsdp_table, pipeline_table, cp_table = tables
     for table, variants, baseline in ((logits_table, dist.LOGITS_VARIANTS, dist.LOGITS_BASELINE),
                                       (hidden_table, dist.HIDDEN_VARIANTS, dist.HIDDEN_BASELINE),
                                       (fsdp_table, dist.FSDP_VARIANTS, dist.FSDP_BASELINE),
@@ -56,6 +58,11 @@ def test_dist_section_reports_every_variant_with_bytes_and_its_baseline(tmp_path
     ours, own = fsdp["model_patches.causal_lm_loss"], fsdp[dist.FSDP_BASELINE]
     assert ours["fwd bytes/token/rank"] == own["fwd bytes/token/rank"] > 0
     assert ours["bwd MiB/rank"] == own["bwd MiB/rank"] > 0
+    # Context parallelism: the baseline gathers nothing; 2 processes gather keys and values
+    cp = {row[0]: dict(zip(cp_table["columns"], row)) for row in cp_table["rows"]}
+    assert set(cp) == {1, 2} and all(row["status"] == "ok" for row in cp.values())
+    assert cp[1]["x one process"] == 1 and cp[1]["fwd MiB/process"] == 0 < cp[2]["fwd MiB/process"]
+    assert cp[2]["tokens/process"] == 256
 
 
 def test_plot_draws_memory_bytes_and_time_against_tokens(tmp_path):

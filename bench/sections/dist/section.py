@@ -7,11 +7,13 @@ forward and in backward, one table per measured thing:
   - :mod:`bench.sections.dist.vocab_logits`: cross-entropy from logits sharded over the vocabulary;
   - :mod:`bench.sections.dist.vocab_hidden`: cross-entropy from hidden states and a column-parallel LM head;
   - :mod:`bench.sections.dist.fsdp_step`: an FSDP2 Llama's training step, its own loss or the library's;
-  - :mod:`bench.sections.dist.pipeline`: a 2-stage pipeline step, the last stage's ``loss_fn``.
+  - :mod:`bench.sections.dist.pipeline`: a 2-stage pipeline step, the last stage's ``loss_fn``;
+  - :mod:`bench.sections.dist.context_parallel_step`: a Llama step on one packed row, the sequence
+    sharded over 1, 2 and 4 processes (``enable_context_parallel``).
 
 The quick run measures the two loss forms on 2 processes at N=512; ``--full`` the memory targets
 of bench/RESULTS.md (logits [4096, 128256], hidden N=2048, H=512, V=32768) on 2 and 4 processes,
-the FSDP2 and pipeline steps, and the N sweep. The section's flags override either.
+the FSDP2, pipeline and context-parallel steps, and the N sweep. The section's flags override either.
 
 Dtypes (:mod:`bench.harness.host_dtype`): the logits form runs bf16 on every host (no matmuls); the
 hidden-state form bf16 on CUDA and on CPUs with bf16 matrix units, fp32 on other CPUs;
@@ -21,10 +23,12 @@ hidden-state form bf16 on CUDA and on CPUs with bf16 matrix units, fp32 on other
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.sections.dist.context_parallel_step import CP_VARIANTS
 from bench.sections.dist.fsdp_step import FSDP_BASELINE, FSDP_VARIANTS
 from bench.sections.dist.launch import launch
 from bench.sections.dist.pipeline import PIPELINE_BASELINE, PIPELINE_VARIANTS
@@ -52,9 +56,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="tokens per rank, hidden size, vocabulary of the FSDP2 Llama (default 2048,256,32000)")
     group.add_argument("--dist-pipeline-shape", default="2048,256,32000",
                        help="tokens, hidden size, vocabulary of the 2-stage pipeline (default 2048,256,32000)")
+    group.add_argument("--dist-cp-shape", default="8192,256,8192,4",
+                       help="tokens of the packed row (in all), hidden size, vocabulary, layers of the "
+                            "context-parallel Llama step (default 8192,256,8192,4)")
+    group.add_argument("--dist-cp-worlds", default="1,2,4",
+                       help="process counts of the context-parallel step (default 1,2,4; 1 is the baseline)")
     group.add_argument("--dist-worlds", help="process counts (default 2; --full 2,4)")
     group.add_argument("--dist-models", choices=["on", "off"],
-                       help="the FSDP2 and pipeline training-step tables (default off; --full on)")
+                       help="the FSDP2, pipeline and context-parallel training-step tables (default off; --full on)")
     group.add_argument("--dist-repeats", type=int, default=2, help="timed steps per variant (median)")
     group.add_argument("--dist-sweep", default="512,1024,2048,4096",
                        help="token counts N for the --plot sweep (2 processes; V from --dist-shape)")
@@ -83,6 +92,7 @@ def count(args: argparse.Namespace) -> int:
     steps = worlds * (len(LOGITS_VARIANTS) + len(HIDDEN_VARIANTS))
     if a.dist_models == "on":
         steps += worlds * len(FSDP_VARIANTS) + len(PIPELINE_VARIANTS)
+        steps += len(a.dist_cp_worlds.split(",")) * len(CP_VARIANTS)
     if sweeps(a):
         steps += len(a.dist_sweep.split(",")) * (len(LOGITS_VARIANTS) + len(HIDDEN_VARIANTS))
     return steps
@@ -92,7 +102,8 @@ def _command(args: argparse.Namespace) -> str:
     return "python -m bench --only dist " + " ".join(shlex.quote(a) for a in [
         "--dist-shape", args.dist_shape, "--dist-dtype", args.dist_dtype, "--dist-hidden-shape",
         args.dist_hidden_shape, "--dist-hidden-dtype", args.dist_hidden_dtype, "--dist-fsdp-shape",
-        args.dist_fsdp_shape, "--dist-pipeline-shape", args.dist_pipeline_shape,
+        args.dist_fsdp_shape, "--dist-pipeline-shape", args.dist_pipeline_shape, "--dist-cp-shape",
+        args.dist_cp_shape, "--dist-cp-worlds", args.dist_cp_worlds,
         "--dist-worlds", args.dist_worlds, "--dist-models", args.dist_models,
         "--device", args.device,
     ])
@@ -207,13 +218,51 @@ def _training_steps(args: argparse.Namespace, worlds: list[int], notes: list[str
                                  "activations the stages send each other (point-to-point) are not counted"],
               command=_command(args), keys=2, spread=_spreads(pipeline)),
     ]
+    cp_table, cp_data = _context_parallel(args, notes, tick)
+    tables.append(cp_table)
     data = {
+        "context_parallel": cp_data,
         "fsdp": {"shape": [fn, fh, fv], "dtype": "fp32",
                  "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in fsdp.items()}},
         "pipeline": {"shape": [pn, ph, pv], "dtype": "fp32",
                      "by_world": {w: {k: vars(m) for k, m in r.items()} for w, r in pipeline.items()}},
     }
     return tables, data
+
+
+def _context_parallel(args: argparse.Namespace, notes: list[str],
+                      tick: Callable[[str], None]) -> tuple[Table, dict[str, Any]]:
+    """The packed-row step at each process count of ``--dist-cp-worlds``, the same total tokens."""
+    cn, ch, cv, layers = (int(x) for x in args.dist_cp_shape.split(","))
+    shape = {"n": cn, "h": ch, "v": cv, "layers": layers, "dtype": "fp32"}
+    worlds = [int(x) for x in args.dist_cp_worlds.split(",")]
+    (name, (setup, extra)), = CP_VARIANTS.items()
+    measured = {}
+    for world in worlds:
+        tick(f"dist {name} x{world} N={cn}")
+        measured[world] = launch(setup, {**shape, **extra}, world=world, device=args.device, repeats=args.dist_repeats)
+    base = measured[min(worlds)]
+    columns = ["processes", "tokens/process", "time (ms)", "tokens/s", "peak extra/process (MiB)", "x one process",
+               "1/P + 15%", "fwd MiB/process", "status"]
+    rows = []
+    for world, m in measured.items():
+        fwd = m.extra.get("forward_bytes")
+        rows.append([world, cn // world, m.ms, None if not m.seconds else cn / m.seconds, m.peak_mib,
+                     ratio(m.peak_extra_bytes, base.peak_extra_bytes), round(1 / world + 0.15, 3),
+                     None if fwd is None else fwd / 2**20, m.error or "ok"])
+    table = Table(
+        title=f"context parallelism with packed documents: a {layers}-layer Llama (hidden {ch}, V={cv}) fp32 step on "
+              f"one packed row of {cn} tokens in all (log-normal documents, median 512), sharded over P processes, "
+              f"{args.device}",
+        columns=columns, rows=rows,
+        baseline=f"P = {min(worlds)}: the whole row on one process, the packing patch's [tokens, tokens] document mask",
+        notes=notes[:1] + ["the hidden-state loss; gradients all-reduced over the processes after backward; "
+                           f"processes share this machine's {os.cpu_count()} cores (torch threads = cores / P), so "
+                           "tokens/s shows the cost of the gathers and masks here, not a speed-up",
+                           "fwd MiB = keys and values all-gathered in forward (each process's share)"],
+        command=_command(args), keys=1, spread={str(w): m.spread for w, m in measured.items() if m.spread})
+    data = {"shape": [cn, ch, cv, layers], "dtype": "fp32", "by_world": {w: vars(m) for w, m in measured.items()}}
+    return table, data
 
 
 def _spreads(results: dict[int, dict[str, Measurement]]) -> dict[str, float]:

@@ -35,11 +35,12 @@ def _same_losses_and_gradients(r: dict, rank: int) -> None:
         _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
 
 
-@pytest.mark.parametrize("family, world, attention, linear_loss", [
-    ("llama", 2, "sdpa", False), ("llama", 2, "eager", False), ("llama", 4, "sdpa", False),
-    ("llama", 2, "sdpa", True), ("qwen3_moe", 4, "sdpa", False)])
-def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss):
-    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss)
+@pytest.mark.parametrize("family, world, attention, linear_loss, router_loss", [
+    ("llama", 2, "sdpa", False, False), ("llama", 2, "eager", False, False), ("llama", 4, "sdpa", False, False),
+    ("llama", 2, "sdpa", True, False), ("qwen3_moe", 4, "sdpa", False, True)])
+def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss):
+    """Qwen3-MoE with its load-balancing loss: counted over the whole sequence on every process."""
+    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss, router_loss)
     for rank, r in enumerate(runs[:world]):
         _same_losses_and_gradients(r, rank)
         weights_ref, weights_cp = r["weights"]
@@ -99,7 +100,7 @@ def test_attention_work_per_process_is_even_on_packed_batches(world):
     ("gemma2", {}, "sliding_attention"),
     ("qwen3_next", {}, "linear_attention"),
     ("llama", {"attn_implementation": "cp_sdpa"}, "remove the first handle"),
-    ("qwen3_moe", {"output_router_logits": True}, "output_router_logits=False"),
+    ("qwen3_moe", {"output_router_logits": True}, "enable_packing"),  # the loss would count a shard
 ])
 def test_what_cannot_be_kept_correct_is_refused(family, overrides, match):
     import model_patches

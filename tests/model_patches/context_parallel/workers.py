@@ -32,8 +32,8 @@ def packed_rows(rows: int, tokens: int, vocab: int, seed: int = 0) -> dict[str, 
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
-def _model(family: str, attention: str, seed: int) -> torch.nn.Module:
-    model = tiny_ac_model(family, seed=seed, use_cache=False)
+def _model(family: str, attention: str, seed: int, **overrides: Any) -> torch.nn.Module:
+    model = tiny_ac_model(family, seed=seed, use_cache=False, **overrides)
     model.config._attn_implementation = attention
     return model
 
@@ -43,14 +43,15 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, tokens: int,
-                seed: int = 0, linear_loss: bool = False) -> Optional[dict[str, Any]]:
+                seed: int = 0, linear_loss: bool = False, router_loss: bool = False) -> Optional[dict[str, Any]]:
     """``steps`` optimizer steps on one packed batch per step: one process (the reference, every rank
-    computes it) and context-parallel over the mesh. Returns both runs' losses and final gradients
-    and weights."""
+    computes it) and context-parallel over the mesh (``router_loss``: a MoE model's load-balancing
+    loss on, with the packing patch). Returns both runs' losses and final gradients and weights."""
     if mesh is None:
         return None
     torch.manual_seed(seed)
-    reference = _model(family, attention, seed)
+    packing = model_patches.enable_packing() if router_loss else None
+    reference = _model(family, attention, seed, **({"output_router_logits": True} if router_loss else {}))
     sharded = copy.deepcopy(reference)
     if linear_loss:  # the hidden-state loss on both
         model_patches.enable_linear_cross_entropy(reference)
@@ -82,6 +83,8 @@ def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, to
         opt_ref.step()
         opt_cp.step()
     cp.remove()
+    if packing is not None:
+        packing.remove()
     return {"losses": (torch.stack(losses_ref), torch.stack(losses_cp)), "grads": (grads_ref, grads_cp),
             "weights": ({n: p.detach().clone() for n, p in reference.named_parameters()},
                         {n: p.detach().clone() for n, p in sharded.named_parameters()}),
