@@ -103,13 +103,20 @@ def gather_tokens(t: torch.Tensor, cp: CPGroup, dim: int = 1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def document_mask(position_ids: torch.Tensor, documents: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+def document_mask(position_ids: torch.Tensor, documents: torch.Tensor, cp: CPGroup,
+                  window: Optional[int] = None) -> torch.Tensor:
     """``[B, 1, local queries, keys]`` bool: the key is in the query's document and not after it
-    (by position in the document); keys in the rank-major order :func:`gather_sequence` gives."""
+    (by position in the document), and with ``window`` fewer than ``window`` positions before it
+    (Transformers' ``sliding_window_overlay``: ``kv > q - window``; inside one document the packed
+    row's distance is the positions' distance); keys in the rank-major order
+    :func:`gather_sequence` gives."""
     key_positions, key_documents = gather_tokens(position_ids, cp), gather_tokens(documents, cp)
     same = documents[:, :, None] == key_documents[:, None, :]
-    causal = key_positions[:, None, :] <= position_ids[:, :, None]
-    return (same & causal)[:, None]
+    distance = position_ids[:, :, None] - key_positions[:, None, :]
+    allowed = same & (distance >= 0)
+    if window:
+        allowed &= distance < window
+    return allowed[:, None]
 
 
 def _family_eager(module: torch.nn.Module) -> Any:
@@ -136,10 +143,9 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
         raise ValueError(f"context-parallel attention needs the shard's position_ids and {DOCUMENTS_KEY}: pass "
                          "the inputs cp.shard(batch) returns (model(**cp.shard(batch))); a model whose attention "
                          "does not receive the forward's keyword arguments cannot run context-parallel")
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
-        raise ValueError(f"{type(module).__name__} has a sliding window: context parallelism does not apply windows "
-                         "to global positions yet; train this model without context parallelism")
-    mask = document_mask(position_ids.expand(query.shape[0], -1), documents.expand(query.shape[0], -1), cp)
+    # the layer's window: the keyword its module passes (None on full-attention layers), else its own
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    mask = document_mask(position_ids.expand(query.shape[0], -1), documents.expand(query.shape[0], -1), cp, window)
     key = gather_sequence(key, cp, dim=2)
     value = gather_sequence(value, cp, dim=2)
     if inner == "eager":

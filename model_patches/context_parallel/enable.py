@@ -56,8 +56,31 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(seen.values())
 
 
+def _capability_refusal(model: nn.Module) -> Optional[str]:
+    """The packing capability ``model`` has that no shard can keep (ALiBi, a stateful mixer whose
+    state would have to cross processes, masks built outside Transformers' mask functions), or None.
+    Families whose mixers packing makes document-aware are refused here too: their state runs
+    along the whole row."""
+    from ..packing.coverage import CAPABILITIES, detected_in
+
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for cap in CAPABILITIES:
+        if cap.handling != "refused":
+            continue
+        hit = next((f"model_type {c.model_type!r}" for c in configs.values() if cap.applies_to(c)), None)
+        if hit is None:
+            where = detected_in(model, cap)
+            hit = None if where is None else f"module {where!r}"
+        if hit is not None:
+            return f"{cap.name} ({hit}): {cap.reason}; train this model without context parallelism"
+    return None
+
+
 def _refusal(model: nn.Module) -> Optional[str]:
     """Why ``model`` cannot run context-parallel, or None."""
+    why = _capability_refusal(model)
+    if why is not None:
+        return why
     for config in _configs(model):
         impl = config._attn_implementation
         if impl in IMPLEMENTATIONS.values():
@@ -66,14 +89,14 @@ def _refusal(model: nn.Module) -> Optional[str]:
         if impl not in IMPLEMENTATIONS:
             return (f"attention implementation {impl!r}: context parallelism with packed documents runs on "
                     f"{sorted(IMPLEMENTATIONS)} here; load the model with attn_implementation='sdpa'")
-        kinds = set(getattr(config, "layer_types", None) or ())
-        if kinds - {"full_attention"}:
-            return (f"layer types {sorted(kinds - {'full_attention'})}: sliding-window, chunked and stateful "
-                    "(linear-attention, SSM) layers are not kept correct under context parallelism; train this "
-                    "model without it")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            return ("a sliding window: windows would have to apply to global positions under context "
-                    "parallelism; train this model without it")
+        if getattr(config, "attention_chunk_size", None):
+            return (f"chunked attention (attention_chunk_size={config.attention_chunk_size}): chunks are not kept "
+                    "under context parallelism; train this model without it")
+        kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+        if kinds:
+            return (f"layer types {sorted(kinds)}: chunked and stateful (linear-attention, SSM) layers are not kept "
+                    "correct under context parallelism (sliding windows and full attention are); train this model "
+                    "without it")
     return None
 
 
@@ -248,8 +271,9 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     Runs on the sdpa and eager implementations. MoE models route each token where it is; their
     load-balancing loss (``output_router_logits``) is counted over the whole sequence, with
     :func:`~model_patches.enable_packing` on (:mod:`.router_loss`). Refused, with the setting to
-    change: other attention implementations, sliding-window and chunked layers, stateful mixers,
-    the load-balancing loss without the packing patch.
+    change: other attention implementations, chunked layers, stateful mixers, the load-balancing
+    loss without the packing patch. Sliding-window layers apply their window to positions in the
+    whole row.
 
     Returns:
         A :class:`ContextParallelHandle` (``remove()`` or ``with``).

@@ -2,8 +2,9 @@
 4 gloo processes (one process group of 4 for the module), trained through sdpa and eager.
 
 After 3 optimizer steps the losses and gradients equal one process's on the same batches (1e-5
-relative; Llama and Qwen3-MoE); changing one document that spans every process leaves every other
-document's logits unchanged on every rank (bitwise, within 1e-6 for MoE); attention work per process is even on packed batches; what
+relative; Llama, Qwen3-MoE with its load-balancing loss, sliding windows of Mistral, Gemma 2 and
+Gemma 3); changing one document that spans every process leaves every other document's logits
+unchanged on every rank (bitwise, within 1e-6 for MoE); attention work per process is even on packed batches; what
 cannot be kept correct is refused with the setting to change."""
 
 from __future__ import annotations
@@ -35,12 +36,22 @@ def _same_losses_and_gradients(r: dict, rank: int) -> None:
         _close(grads_cp[name], grads_ref[name], f"rank {rank}: gradient of {name}")
 
 
-@pytest.mark.parametrize("family, world, attention, linear_loss, router_loss", [
-    ("llama", 2, "sdpa", False, False), ("llama", 2, "eager", False, False), ("llama", 4, "sdpa", False, False),
-    ("llama", 2, "sdpa", True, False), ("qwen3_moe", 4, "sdpa", False, True)])
-def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss):
-    """Qwen3-MoE with its load-balancing loss: counted over the whole sequence on every process."""
-    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss, router_loss)
+#: Sliding windows of 16 tokens on rows of 100 (documents of median 24): windows cut inside documents.
+WINDOW = {"sliding_window": 16}
+
+
+@pytest.mark.parametrize("family, world, attention, linear_loss, router_loss, config", [
+    ("llama", 2, "sdpa", False, False, {}), ("llama", 2, "eager", False, False, {}),
+    ("llama", 4, "sdpa", False, False, {}), ("llama", 2, "sdpa", True, False, {}),
+    ("qwen3_moe", 4, "sdpa", False, True, {}),
+    ("mistral", 4, "sdpa", False, False, WINDOW),   # every layer windowed
+    ("gemma2", 2, "eager", False, False, WINDOW),   # windowed and full layers, soft-capping (eager)
+    ("gemma3_text", 4, "sdpa", False, False, WINDOW),
+])
+def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss, config):
+    """Qwen3-MoE with its load-balancing loss: counted over the whole sequence on every process.
+    Sliding windows: applied to positions in the whole row."""
+    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss, router_loss, config)
     for rank, r in enumerate(runs[:world]):
         _same_losses_and_gradients(r, rank)
         weights_ref, weights_cp = r["weights"]
@@ -59,9 +70,10 @@ def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
         _same_losses_and_gradients(r, rank)
 
 
-@pytest.mark.parametrize("family, world", [("llama", 2), ("llama", 4), ("qwen3_moe", 4)])
-def test_no_document_sees_another(pool, family, world):
-    for r in pool.run(workers.perturbed_document, (world,), family, "sdpa", 100)[:world]:
+@pytest.mark.parametrize("family, world, config", [("llama", 2, {}), ("llama", 4, {}), ("qwen3_moe", 4, {}),
+                                                  ("mistral", 4, WINDOW)])
+def test_no_document_sees_another(pool, family, world, config):
+    for r in pool.run(workers.perturbed_document, (world,), family, "sdpa", 100, config)[:world]:
         others = ~r["victim"]
         assert r["victim_tokens"] >= 2 * world  # a piece on every process
         if family == "llama":  # dense: bitwise
@@ -96,9 +108,10 @@ def test_attention_work_per_process_is_even_on_packed_batches(world):
 
 @pytest.mark.parametrize("family, overrides, match", [
     ("llama", {"attn_implementation": "flex_attention"}, "attn_implementation='sdpa'"),
-    ("mistral", {"sliding_window": 16}, "sliding window"),
-    ("gemma2", {}, "sliding_attention"),
-    ("qwen3_next", {}, "linear_attention"),
+    ("llama4_text", {}, "chunked attention"),
+    ("qwen3_next", {}, "stateful_mixer"),
+    ("mamba", {}, "stateful_mixer"),
+    ("bloom", {}, "alibi"),
     ("llama", {"attn_implementation": "cp_sdpa"}, "remove the first handle"),
     ("qwen3_moe", {"output_router_logits": True}, "enable_packing"),  # the loss would count a shard
 ])

@@ -43,15 +43,18 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, tokens: int,
-                seed: int = 0, linear_loss: bool = False, router_loss: bool = False) -> Optional[dict[str, Any]]:
+                seed: int = 0, linear_loss: bool = False, router_loss: bool = False,
+                config: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """``steps`` optimizer steps on one packed batch per step: one process (the reference, every rank
     computes it) and context-parallel over the mesh (``router_loss``: a MoE model's load-balancing
-    loss on, with the packing patch). Returns both runs' losses and final gradients and weights."""
+    loss on, with the packing patch; ``config``: more config fields). Returns both runs' losses and
+    final gradients and weights."""
     if mesh is None:
         return None
     torch.manual_seed(seed)
     packing = model_patches.enable_packing() if router_loss else None
-    reference = _model(family, attention, seed, **({"output_router_logits": True} if router_loss else {}))
+    reference = _model(family, attention, seed, **(config or {}),
+                       **({"output_router_logits": True} if router_loss else {}))
     sharded = copy.deepcopy(reference)
     if linear_loss:  # the hidden-state loss on both
         model_patches.enable_linear_cross_entropy(reference)
@@ -91,12 +94,13 @@ def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, to
             "implementation": sharded.config._attn_implementation}
 
 
-def perturbed_document(mesh: Optional[Any], family: str, attention: str, tokens: int) -> Optional[dict[str, Any]]:
+def perturbed_document(mesh: Optional[Any], family: str, attention: str, tokens: int,
+                       config: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
     """The whole row's logits (unsharded on every rank) before and after changing the tokens of one
-    document that crosses a shard boundary."""
+    document that crosses a shard boundary (``config``: more config fields)."""
     if mesh is None:
         return None
-    model = _model(family, attention, 0)
+    model = _model(family, attention, 0, **(config or {}))
     cp = model_patches.enable_context_parallel(model, mesh.get_group())
     batch = packed_rows(1, tokens, model.config.vocab_size, seed=3)
     docs = model_patches.context_parallel.document_ids(batch["position_ids"])
