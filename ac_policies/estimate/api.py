@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,7 +74,7 @@ def _summarise(model: nn.Module, ts: TracedStep, world_size: int, device: str, f
 
 
 def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_size: int = 1,
-             device: Optional[str] = None, offload_params: bool = False) -> MemoryEstimate:
+             device: Optional[str] = None, offload_params: bool = False, context_parallel: int = 1) -> MemoryEstimate:
     """The memory of one training step of ``model``, from a run on fake tensors.
 
     Args:
@@ -98,6 +99,13 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
             the device holds the gathered parameters of one unit (and the prefetched next), the
             gradients of the unit whose backward runs, and the activations. ``params``, ``grads``
             and ``optimizer`` are then 0 (device bytes) and the note says what is in host memory.
+        context_parallel: processes the packed sequence is sharded over
+            (``model_patches.enable_context_parallel``); ``step`` then runs one process's shard
+            (``T / context_parallel`` tokens, e.g. ``model(**cp.shard(batch))``'s inputs, or plain
+            ids of that length: one document per row) and its attention is traced against every
+            process's keys and values (the all-gather, ``model_patches.context_parallel.simulate_context_parallel``)
+            under a ``[local, T]`` mask. No process group is needed. The model must run sdpa or eager
+            attention. Combines with ``world_size`` (FSDP2 over the same processes).
         device: None or ``"cpu"``: exact ``nbytes`` of each storage (each storage once, however
             many views). ``"cuda"``: each storage rounded up to 512 bytes, as the CUDA caching
             allocator rounds a request (segments, caching and fragmentation are not modelled).
@@ -112,16 +120,27 @@ def estimate(model: nn.Module, step: Step, *, optimizer: Any = "adamw", world_si
         their chunk workspace (counted in the peak, and shown as ``workspace``).
 
     Raises:
-        ValueError: a model in eval mode, a ``world_size`` that is not a positive int, an unknown
-            ``device`` or ``optimizer``.
+        ValueError: a model in eval mode, a ``world_size`` or ``context_parallel`` that is not a
+            positive int, an unknown ``device`` or ``optimizer``, a model context parallelism refuses.
         TypeError: ``step`` does not return a one-element tensor.
     """
     _check(model, step, world_size)
+    if isinstance(context_parallel, bool) or not isinstance(context_parallel, int) or context_parallel < 1:
+        raise ValueError(f"context_parallel must be a positive int (processes the sequence is sharded over; 1: none), "
+                         f"got {context_parallel!r}")
     kind, size_of = _size_of(device)
     offload = modelling_offload() if kind == "cuda" else contextlib.nullcontext()
-    with fake_model(model), unpacked_rows_on_fakes(), offload:
+    with contextlib.ExitStack() as stack:
+        if context_parallel > 1:
+            from model_patches.context_parallel import simulate_context_parallel
+
+            stack.enter_context(simulate_context_parallel(model, context_parallel))
+        stack.enter_context(fake_model(model))
+        stack.enter_context(unpacked_rows_on_fakes())
+        stack.enter_context(offload)
         ts = trace_step(model, step, optimizer, size_of=size_of)
-        return _summarise(model, ts, world_size, kind, True, size_of, offload_params)
+        result = _summarise(model, ts, world_size, kind, True, size_of, offload_params)
+    return dataclasses.replace(result, context_parallel=context_parallel)
 
 
 def measure_step(model: nn.Module, step: Step, *, optimizer: Any = "adamw", device: Optional[str] = None,

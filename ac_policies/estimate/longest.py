@@ -65,6 +65,7 @@ class LongestContext:
     rows: tuple[ContextRow, ...]
     world_size: int = 1
     offload_params: bool = False
+    context_parallel: int = 1
 
     @property
     def tokens(self) -> int:
@@ -74,6 +75,8 @@ class LongestContext:
     def __str__(self) -> str:
         shard = f", FSDP2 over {self.world_size} processes" if self.world_size > 1 else ""
         shard += ", parameters, gradients and optimizer state in host memory" if self.offload_params else ""
+        if self.context_parallel > 1:
+            shard += f", the sequence sharded over {self.context_parallel} processes"
         header = ("plan", "longest", "peak", "too long", "its peak", "peak in", "what limits it")
         cells = []
         for r in self.rows:
@@ -237,7 +240,7 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
                     device: Optional[str] = "cuda", optimizer: Any = "adamw", offload_params: bool = False,
                     start: int = 1024,
                     max_tokens: int = 1 << 22, resolution: float = 1.25, recommend: bool = True,
-                    full_depth: bool = False) -> LongestContext:
+                    full_depth: bool = False, context_parallel: int = 1) -> LongestContext:
     """The longest sequence whose training step of ``model`` fits ``budget`` bytes per process.
 
     Args:
@@ -256,6 +259,9 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         recommend: also answer for the recommended plan: the model with the ``long_context`` policy
             (for ``device="cuda"`` with the blocks' checkpoints in host memory),
             unless it has a policy already, and the hidden-state loss, unless it has a loss patch.
+        context_parallel: processes the sequence is sharded over (``model_patches.enable_context_parallel``,
+            as :func:`estimate` models it): lengths are the whole sequence's, and ``make_step`` is
+            asked for one process's share (``ceil(tokens / context_parallel)``).
         full_depth: trace every length at full depth; by default a decoder whose blocks repeat is
             traced at two shallow depths and extrapolated (:mod:`ac_policies.estimate.depth`), and
             the optimizer step's peak is taken from one full-depth trace at ``start`` tokens.
@@ -276,10 +282,11 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
     layout = None if full_depth else decoder_layout(model)
     multiple = max(1, min(256, start & -start))
     reduced = layout is not None and layout.reducible
-    kwargs = dict(optimizer=optimizer, world_size=world_size, device=device, offload_params=offload_params)
+    kwargs = dict(optimizer=optimizer, world_size=world_size, device=device, offload_params=offload_params,
+                  context_parallel=context_parallel)
 
     def run(tokens: int, optimizer_peak: Optional[int]) -> MemoryEstimate:
-        step = make_step(tokens)
+        step = make_step(-(-tokens // context_parallel))
         e = estimate_at_depth(model, lambda: estimate(model, step, **kwargs), layout)
         return e if optimizer_peak is None else with_phase_peak(e, "optimizer", optimizer_peak)
 
@@ -287,7 +294,7 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         """The optimizer step's peak at full depth (the same at every length), when extrapolating."""
         if not reduced or optimizer is None:
             return None
-        return dict(estimate(model, make_step(start), **kwargs).phase_peaks).get("optimizer")
+        return dict(estimate(model, make_step(-(-start // context_parallel)), **kwargs).phase_peaks).get("optimizer")
 
     def answer(plan: str) -> ContextRow:
         at_full_depth = optimizer_peak()
@@ -305,7 +312,7 @@ def longest_context(model: nn.Module, make_step: MakeStep, budget: Union[int, st
         finally:
             for h in reversed(handles):
                 h.remove()
-    return LongestContext(limit, tuple(rows), world_size, offload_params)
+    return LongestContext(limit, tuple(rows), world_size, offload_params, context_parallel)
 
 
 def token_step(vocab: int, batch: int = 1) -> MakeStep:

@@ -44,6 +44,8 @@ class MemoryEstimate:
             the model itself, outside any submodule; backward keeps a module's name from its
             outputs' gradient to its inputs').
         world_size: processes the parameters are sharded over (1: no sharding).
+        context_parallel: processes the sequence is sharded over (1: none); the bytes are one
+            of them's, its shard's activations and the gathered keys and values.
         device: whose allocator rounding the bytes follow (``"cpu"``: exact ``nbytes``;
             ``"cuda"``: each storage rounded up to 512 bytes).
         fake: True for an estimate on fake tensors, False for a measured step.
@@ -63,10 +65,13 @@ class MemoryEstimate:
     note: Optional[str] = None
     workspace: int = 0
     phase_peaks: tuple[tuple[str, int], ...] = ()
+    context_parallel: int = 1
 
     def __str__(self) -> str:
         what = "estimated on fake tensors" if self.fake else "measured (live tensors)"
         shard = f", FSDP2 over {self.world_size} processes (per process)" if self.world_size > 1 else ""
+        if self.context_parallel > 1:
+            shard += f", the sequence sharded over {self.context_parallel} processes (one's shard)"
         rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
                 ("optimizer state", self.optimizer), ("activations kept after forward", self.activations),
                 ("loss chunk workspace", self.workspace), ("step peak", self.peak)]

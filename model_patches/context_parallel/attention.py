@@ -44,6 +44,9 @@ class CPGroup:
     group: Optional[dist.ProcessGroup]
     world: int
     rank: int
+    #: A stand-in for tracing one process's step without a process group (memory estimates): every
+    #: process holds this one's tokens, so a gather repeats them here.
+    simulated: bool = False
 
 
 #: id(config) -> its model's group, while a handle of :func:`~.enable.enable_context_parallel` is live
@@ -91,6 +94,8 @@ def gather_sequence(x: torch.Tensor, cp: CPGroup, dim: int) -> torch.Tensor:
     """Every process's ``x`` along ``dim``, rank-major, differentiable (see :class:`_GatherSequence`)."""
     if cp.world == 1:
         return x
+    if cp.simulated:
+        return torch.cat([x] * cp.world, dim=dim)
     return _GatherSequence.apply(x, cp, dim)
 
 
@@ -98,6 +103,8 @@ def gather_tokens(t: torch.Tensor, cp: CPGroup, dim: int = 1) -> torch.Tensor:
     """Every process's ``t`` along ``dim``, rank-major, without a gradient."""
     if cp.world == 1:
         return t
+    if cp.simulated:
+        return torch.cat([t] * cp.world, dim=dim)
     parts = [torch.empty_like(t) for _ in range(cp.world)]
     dist.all_gather(parts, t.contiguous(), group=cp.group)
     return torch.cat(parts, dim=dim)
@@ -139,6 +146,9 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
     cp = _group_of(module)
     position_ids = kwargs.pop("position_ids", None)
     documents = kwargs.pop(DOCUMENTS_KEY, None)
+    if cp.simulated and (position_ids is None or documents is None):  # a traced step's plain ids: one document a row
+        position_ids = torch.arange(query.shape[2], device=query.device)[None]
+        documents = torch.ones_like(position_ids)
     if position_ids is None or documents is None:
         raise ValueError(f"context-parallel attention needs the shard's position_ids and {DOCUMENTS_KEY}: pass "
                          "the inputs cp.shard(batch) returns (model(**cp.shard(batch))); a model whose attention "

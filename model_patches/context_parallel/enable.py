@@ -37,7 +37,7 @@ from .attention import (
 from .layout import DocumentLayout, document_ids
 from .router_loss import forward_hooks
 
-__all__ = ["ContextParallelHandle", "enable_context_parallel", "shard_batch"]
+__all__ = ["ContextParallelHandle", "enable_context_parallel", "shard_batch", "simulate_context_parallel"]
 
 logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100
@@ -287,8 +287,29 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("enable_context_parallel needs an initialised process group "
                            "(torch.distributed.init_process_group)")
+    return _enable(model, CPGroup(group, dist.get_world_size(group), dist.get_rank(group)), configs, check)
+
+
+def simulate_context_parallel(model: nn.Module, world: int) -> ContextParallelHandle:
+    """``model``'s context-parallel attention as process 0 of ``world`` would run it, without a
+    process group: each gather repeats this process's keys, values and ids ``world`` times, so a
+    traced step (``ac_policies.estimate(..., context_parallel=world)``) holds what a real process
+    holds. Not for training: the "other processes'" tokens are copies of these. Refuses what
+    :func:`enable_context_parallel` refuses."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int (processes the sequence is sharded over), got {world!r}")
+    why = _refusal(model)
+    if why is not None:
+        raise ValueError(f"simulate_context_parallel: {type(model).__name__} has {why}")
+    configs = _configs(model)
+    check = _router_loss_check(model, configs)
+    check({})
+    return _enable(model, CPGroup(None, world, 0, simulated=True), configs, check)
+
+
+def _enable(model: nn.Module, cp: CPGroup, configs: list[Any],
+            check: Callable[[dict[str, Any]], None]) -> ContextParallelHandle:
     register_implementations()
-    cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group))
     previous = {}
     for config in configs:
         previous[id(config)] = config._attn_implementation

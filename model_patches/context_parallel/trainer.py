@@ -36,12 +36,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, is_applied, record_status
+from ..registry import PatchRecord, StatusRow, StatusTable, is_applied, record_status
 from ..targets import parameters_probe
 from .enable import enable_context_parallel, shard_batch
 
-__all__ = ["ACCELERATE_HOOKS_RECORD", "CONTEXT_PARALLEL_TRAINER_RECORDS", "context_parallel_trainer_status",
-           "enable_context_parallel_trainer", "trainer_inputs"]
+__all__ = ["ACCELERATE_HOOKS_RECORD", "CONTEXT_PARALLEL_TRAINER_RECORDS", "accelerate_version",
+           "context_parallel_trainer_status", "trainer_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ ACCELERATE_HOOKS_RECORD = PatchRecord(
     table="context parallel", package="accelerate")
 
 
-def _accelerate_version() -> Optional[str]:
+def accelerate_version() -> Optional[str]:
+    """The installed Accelerate's version (what :data:`ACCELERATE_HOOKS_RECORD` is gated on), or None."""
     try:
         import accelerate
     except ImportError:
@@ -195,25 +196,17 @@ def _accelerate_version() -> Optional[str]:
     return str(accelerate.__version__)
 
 
-def enable_context_parallel_trainer(*, strict: bool = False) -> PatchHandle:
-    """Apply the Trainer records and, where Accelerate is installed, its hooks record; one handle.
-    :func:`~model_patches.enable_packing` applies them with itself."""
-    handle = apply_records(CONTEXT_PARALLEL_TRAINER_RECORDS, strict=strict, what=CONTEXT_PARALLEL_TRAINER_WHAT)
-    version = _accelerate_version()
-    if version is not None:
-        handle.companions.append(apply_records((ACCELERATE_HOOKS_RECORD,), strict=strict, version=version,
-                                               what="context-parallel Accelerate hooks"))
-    return handle
-
-
-#: How a handle of these records names them (they come with :func:`~model_patches.enable_packing`).
+#: How a handle of these records names them. :func:`~model_patches.enable_packing` applies them (and,
+#: where Accelerate is installed, :data:`ACCELERATE_HOOKS_RECORD` at Accelerate's version) with
+#: ``apply_records`` as companions: the registry, then these records' builders, no detour back here.
 CONTEXT_PARALLEL_TRAINER_WHAT = "context-parallel Trainer"
+ACCELERATE_HOOKS_WHAT = "context-parallel Accelerate hooks"
 
 
 def context_parallel_trainer_status() -> StatusTable:
     """One row per record (Trainer's, then Accelerate's): applied / available / skipped / failed, and why."""
     rows = record_status(CONTEXT_PARALLEL_TRAINER_RECORDS)
-    version = _accelerate_version()
+    version = accelerate_version()
     if version is None:
         return StatusTable([*rows, StatusRow(ACCELERATE_HOOKS_RECORD.name, _HOOKS, ACCELERATE_HOOKS_RECORD.versions,
                                              "skipped", "accelerate is not installed")])

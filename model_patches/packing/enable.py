@@ -14,7 +14,14 @@ from typing import Optional, Sequence
 import torch
 
 from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
-from ..context_parallel.trainer import context_parallel_trainer_status, enable_context_parallel_trainer
+from ..context_parallel.trainer import (
+    ACCELERATE_HOOKS_RECORD,
+    ACCELERATE_HOOKS_WHAT,
+    CONTEXT_PARALLEL_TRAINER_RECORDS,
+    CONTEXT_PARALLEL_TRAINER_WHAT,
+    accelerate_version,
+    context_parallel_trainer_status,
+)
 from ..registry import PatchHandle, StatusRow, StatusTable, apply_records, is_applied, live_records, record_status
 from ..targets import model_modules
 from .aux_loss import AUX_LOSS_NAME
@@ -55,7 +62,12 @@ def enable_packing(
     handle = apply_records(packing_records(extra_modules), strict=strict, what="packing")
     handle.companions.append(apply_records(RESUME_RECORDS, strict=False, what=RESUME_WHAT))
     # Trainer under ParallelismConfig(cp_size=N): packed batches sharded with documents kept apart
-    handle.companions.append(enable_context_parallel_trainer())
+    handle.companions.append(apply_records(CONTEXT_PARALLEL_TRAINER_RECORDS, strict=False,
+                                           what=CONTEXT_PARALLEL_TRAINER_WHAT))
+    accelerate = accelerate_version()
+    if accelerate is not None:
+        handle.companions.append(apply_records((ACCELERATE_HOOKS_RECORD,), strict=False, version=accelerate,
+                                               what=ACCELERATE_HOOKS_WHAT))
     applied = sum(r.state == "applied" for r in handle.rows)
     logger.info("packing patches: %d applied, %d rows", applied, len(handle.rows))
     if model is not None:

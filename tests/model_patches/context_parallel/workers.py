@@ -176,3 +176,32 @@ def fsdp_cp_step(mesh: Optional[Any], family: str, tokens: int) -> Optional[dict
              for n, p in sharded.named_parameters() if p.grad is not None}
     cp.remove()
     return {"losses": (loss_ref.detach(), total), "grads": (_grads(reference), grads)}
+
+
+def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int) -> Optional[dict[str, Any]]:
+    """One process's step of a packed row of ``tokens`` sharded over the mesh: measured on live
+    tensors (``measure_step``, the real gathers) and estimated on fake tensors without a process
+    group (``estimate(context_parallel=world)``), the model with checkpointing ``policy``."""
+    from ac_policies.estimate import estimate, measure_step
+    from tests.ac_policies.estimate.workers.fsdp_estimate import prepared_model
+
+    if mesh is None:
+        return None
+    model = prepared_model("llama", policy, False, use_cache=False)
+    model.config._attn_implementation = "sdpa"
+    vocab = model.config.vocab_size
+    cp = model_patches.enable_context_parallel(model, mesh.get_group())
+    local = cp.shard(packed_rows(1, tokens, vocab, seed=5))
+    measured = measure_step(model, lambda m: m(**local).loss, optimizer=None)
+    cp.remove()
+    width = local["input_ids"].shape[1]
+
+    def step(m: torch.nn.Module) -> torch.Tensor:  # this process's shard, as plain ids (fake in the trace)
+        ids = torch.randint(0, vocab, (1, width))
+        return m(input_ids=ids, labels=ids).loss
+
+    estimated = estimate(model, step, optimizer=None, context_parallel=mesh.size())
+    whole = estimate(model, lambda m: m(input_ids=(ids := torch.randint(0, vocab, (1, tokens))), labels=ids).loss,
+                     optimizer=None)
+    return {"measured": measured.peak, "estimated": estimated.peak, "whole": whole.peak,
+            "fixed": measured.params + measured.buffers, "text": str(estimated)}
