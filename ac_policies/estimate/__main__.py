@@ -1,5 +1,5 @@
 """``python -m ac_policies.estimate CONFIG.json --tokens 32768 [--batch 1] [--policy non_moe]
-[--loss linear] [--fsdp 8] [--budget 80GB] [--dtype bf16] [--device cuda]``, or
+[--loss linear] [--fsdp 8] [--context-parallel 8] [--budget 80GB] [--dtype bf16] [--device cuda]``, or
 ``python -m ac_policies.estimate CONFIG.json --longest --budget 80GB [--fsdp 8] ...``
 
 Builds the Hugging Face model of ``CONFIG.json`` (a ``config.json`` path) on the meta device at
@@ -16,6 +16,7 @@ further (:func:`ac_policies.longest_context`). Transformers is imported when the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -46,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(hidden_state, its old name, still works); chunked: model_patches.enable_chunked_loss; or a "
                         "loss patch registered with ac_policies.seam.register_loss_patch")
     p.add_argument("--fsdp", type=int, default=1, help="FSDP2 processes the parameters are sharded over (default 1)")
+    p.add_argument("--context-parallel", type=int, default=1,
+                   help="processes the sequence is sharded over (model_patches.enable_context_parallel): --tokens is "
+                        "the whole sequence, the step one process's share (default 1)")
     p.add_argument("--offload-params", action="store_true",
                    help="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state in host memory")
     p.add_argument("--budget", help="per-process memory to fit the step peak in, e.g. 80GB; prints the fitted table")
@@ -90,11 +94,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     vocab = model.config.get_text_config().vocab_size
     optimizer = None if args.optimizer.lower() == "none" else args.optimizer
 
-    def step(m: torch.nn.Module) -> torch.Tensor:
-        ids = torch.randint(0, vocab, (args.batch, args.tokens))
+    def step(m: torch.nn.Module) -> torch.Tensor:  # one process's share of the sequence
+        ids = torch.randint(0, vocab, (args.batch, -(-args.tokens // args.context_parallel)))
         return m(input_ids=ids, labels=ids).loss
 
-    kwargs = dict(optimizer=optimizer, world_size=args.fsdp, device=args.device, offload_params=args.offload_params)
+    kwargs = dict(optimizer=optimizer, world_size=args.fsdp, device=args.device, offload_params=args.offload_params,
+                  context_parallel=args.context_parallel)
     handle = None
     if args.policy.lower() != "none":
         with warnings.catch_warnings():
@@ -138,8 +143,14 @@ def _fit(model: torch.nn.Module, step, budget: str, kwargs: dict) -> None:
         print(f"nothing fits: parameters, gradients and optimizer state alone take {format_bytes(fixed)}; "
               "shard over more processes (--fsdp)")
         return
+    sharded = contextlib.nullcontext()
+    if kwargs.get("context_parallel", 1) > 1:  # fit traces its candidates with the gathered keys too
+        from model_patches.context_parallel import simulate_context_parallel
+
+        sharded = simulate_context_parallel(model, kwargs["context_parallel"])
     try:
-        policy = ac_policies.fit(model, step, left, fake=True)
+        with sharded:
+            policy = ac_policies.fit(model, step, left, fake=True)
     except ValueError as exc:
         print(f"no table fits: {exc}")
         with warnings.catch_warnings():

@@ -44,6 +44,10 @@ class CPGroup:
     group: Optional[dist.ProcessGroup]
     world: int
     rank: int
+    #: The most ``rows x heads x queries x keys`` scores one sdpa call may hold (a kernel without
+    #: fused masking keeps them): a longer shard attends in blocks of queries, each block a
+    #: checkpoint region (see :func:`_attend`).
+    mask_elements: int = 1 << 26
     #: A stand-in for tracing one process's step without a process group (memory estimates): every
     #: process holds this one's tokens, so a gather repeats them here.
     simulated: bool = False
@@ -117,13 +121,28 @@ def document_mask(position_ids: torch.Tensor, documents: torch.Tensor, cp: CPGro
     (Transformers' ``sliding_window_overlay``: ``kv > q - window``; inside one document the packed
     row's distance is the positions' distance); keys in the rank-major order
     :func:`gather_sequence` gives."""
-    key_positions, key_documents = gather_tokens(position_ids, cp), gather_tokens(documents, cp)
+    return _block_mask(position_ids, documents, gather_tokens(position_ids, cp), gather_tokens(documents, cp), window)
+
+
+def _block_mask(positions: torch.Tensor, documents: torch.Tensor, key_positions: torch.Tensor,
+                key_documents: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """:func:`document_mask` of the queries ``[B, Q]`` against gathered keys ``[B, T]``."""
     same = documents[:, :, None] == key_documents[:, None, :]
-    distance = position_ids[:, :, None] - key_positions[:, None, :]
+    distance = positions[:, :, None] - key_positions[:, None, :]
     allowed = same & (distance >= 0)
     if window:
         allowed &= distance < window
     return allowed[:, None]
+
+
+def _sdpa_block(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                positions: torch.Tensor, documents: torch.Tensor, key_positions: torch.Tensor,
+                key_documents: torch.Tensor, window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Transformers' sdpa for one block of queries ``[B, H, Q, D]`` against every key: ``[B, Q, H, D]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mask = _block_mask(positions, documents, key_positions, key_documents, window)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, is_causal=False, **kwargs)[0]
 
 
 def _family_eager(module: torch.nn.Module) -> Any:
@@ -141,8 +160,11 @@ def _family_eager(module: torch.nn.Module) -> Any:
 
 def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    """Local queries ``[B, H, L, D]`` against every process's keys and values under the row's
+    document mask; Transformers' return, ``([B, L, H, D], weights or None)``. With sdpa, when
+    ``B x H x L x T`` passes the group's ``mask_elements``, the queries attend in blocks of
+    ``mask_elements // (B x H x T)``, each recomputed in backward: the mask and scores held at once
+    are one block's."""
     cp = _group_of(module)
     position_ids = kwargs.pop("position_ids", None)
     documents = kwargs.pop(DOCUMENTS_KEY, None)
@@ -155,15 +177,29 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
                          "does not receive the forward's keyword arguments cannot run context-parallel")
     # the layer's window: the keyword its module passes (None on full-attention layers), else its own
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    mask = document_mask(position_ids.expand(query.shape[0], -1), documents.expand(query.shape[0], -1), cp, window)
+    rows = query.shape[0]
+    positions, documents = position_ids.expand(rows, -1), documents.expand(rows, -1)
+    key_positions, key_documents = gather_tokens(positions, cp), gather_tokens(documents, cp)
     key = gather_sequence(key, cp, dim=2)
     value = gather_sequence(value, cp, dim=2)
     if inner == "eager":
+        mask = _block_mask(positions, documents, key_positions, key_documents, window)
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min)
         return _family_eager(module)(module, query, key, value, mask, **kwargs)
     kwargs.pop("is_causal", None)
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, mask, is_causal=False, **kwargs)
+    block = max(1, cp.mask_elements // (key.shape[2] * rows * query.shape[1]))
+    if query.shape[2] <= block:
+        return _sdpa_block(module, query, key, value, positions, documents, key_positions, key_documents, window,
+                           kwargs), None
+    # blocks of queries, each a checkpoint region: backward keeps the blocks' queries and the shared
+    # keys and values, never a [local, T] mask or score tensor, and rebuilds one block's at a time
+    from torch.utils.checkpoint import checkpoint
+
+    out = [checkpoint(_sdpa_block, module, query[:, :, s:s + block], key, value, positions[:, s:s + block],
+                      documents[:, s:s + block], key_positions, key_documents, window, kwargs, use_reentrant=False)
+           for s in range(0, query.shape[2], block)]
+    return torch.cat(out, dim=1), None
 
 
 def cp_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

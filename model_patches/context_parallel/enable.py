@@ -261,7 +261,12 @@ def _router_loss_check(model: nn.Module, configs: list[Any]) -> Callable[[dict[s
     return check
 
 
-def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> ContextParallelHandle:
+#: Default of ``mask_elements``: 64M scores per attention block (256 MiB in fp32).
+MASK_ELEMENTS = 1 << 26
+
+
+def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
+                            mask_elements: Optional[int] = None) -> ContextParallelHandle:
     """Run ``model``'s attention context-parallel over ``group`` (None: the default group), packed
     documents kept apart.
 
@@ -275,6 +280,13 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     loss without the packing patch. Sliding-window layers apply their window to positions in the
     whole row.
 
+    Memory: each process holds its shard's activations, the gathered keys and values of the layer
+    that runs, and its ``[local, T]`` mask. With sdpa, where the scores ``B x heads x local x T``
+    pass ``mask_elements`` (default :data:`MASK_ELEMENTS`), the local queries attend in blocks,
+    each a checkpoint region: no mask or score tensor longer than a block's is kept for backward, at
+    the cost of running the attention forward again per block in backward (eager keeps its
+    ``[B, heads, local, T]`` weights by definition).
+
     Returns:
         A :class:`ContextParallelHandle` (``remove()`` or ``with``).
     """
@@ -287,15 +299,24 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("enable_context_parallel needs an initialised process group "
                            "(torch.distributed.init_process_group)")
-    return _enable(model, CPGroup(group, dist.get_world_size(group), dist.get_rank(group)), configs, check)
+    cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group), mask_elements=_mask_elements(mask_elements))
+    return _enable(model, cp, configs, check)
 
 
-def simulate_context_parallel(model: nn.Module, world: int) -> ContextParallelHandle:
+def _mask_elements(value: Optional[int]) -> int:
+    value = MASK_ELEMENTS if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"mask_elements must be a positive int (scores per attention block), got {value!r}")
+    return value
+
+
+def simulate_context_parallel(model: nn.Module, world: int, *,
+                              mask_elements: Optional[int] = None) -> ContextParallelHandle:
     """``model``'s context-parallel attention as process 0 of ``world`` would run it, without a
     process group: each gather repeats this process's keys, values and ids ``world`` times, so a
     traced step (``ac_policies.estimate(..., context_parallel=world)``) holds what a real process
     holds. Not for training: the "other processes'" tokens are copies of these. Refuses what
-    :func:`enable_context_parallel` refuses."""
+    :func:`enable_context_parallel` refuses; ``mask_elements`` as there."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int (processes the sequence is sharded over), got {world!r}")
     why = _refusal(model)
@@ -304,7 +325,8 @@ def simulate_context_parallel(model: nn.Module, world: int) -> ContextParallelHa
     configs = _configs(model)
     check = _router_loss_check(model, configs)
     check({})
-    return _enable(model, CPGroup(None, world, 0, simulated=True), configs, check)
+    cp = CPGroup(None, world, 0, mask_elements=_mask_elements(mask_elements), simulated=True)
+    return _enable(model, cp, configs, check)
 
 
 def _enable(model: nn.Module, cp: CPGroup, configs: list[Any],

@@ -365,7 +365,8 @@ def test_headline_table_compares_the_library_with_stock_at_one_length(monkeypatc
 def test_projection_table_searches_each_placement(monkeypatch):
     """Stock, the library and the peer on one device (the library and the peer with parameters in
     host memory, or bf16 weights and gradients on the device with AdamW off it: 8B only) and on 8
-    with FSDP2; the spec each search gets says where everything is."""
+    with FSDP2, and the library with the sequence sharded over the 8 too; the spec each search gets
+    says where everything is."""
     import bench.sections.train.planned as tp
 
     specs = []
@@ -379,7 +380,10 @@ def test_projection_table_searches_each_placement(monkeypatch):
     monkeypatch.setattr(tp.isolated, "call", fake_call)
     monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: True)
     table, data = tp.projection_table("cmd", 60.0, tick=lambda m: None)
-    assert len(specs) == len(table.rows) == len(data) == 3 + 2 + 3 + 3 + 3  # 30B has no on-device case
+    # 30B has no on-device case; only the library shards the sequence (one row per model)
+    assert len(specs) == len(table.rows) == len(data) == 3 + 2 + 3 + 3 + 3 + 2
+    sharded = [s for s in specs if s["context_parallel"] > 1]
+    assert {(s["plan"], s["world_size"], s["context_parallel"]) for s in sharded} == {("library", 8, 8)}
     on_device = [s for s in specs if s["optimizer"] is None]
     assert {(s["model"], s["plan"]) for s in on_device} == {("llama3.1-8b", "library"), ("llama3.1-8b", tp.PEER)}
     assert not any(s["offload_params"] for s in on_device)
@@ -388,4 +392,4 @@ def test_projection_table_searches_each_placement(monkeypatch):
     assert all(r[3].endswith("checkpoints offloaded") == (r[2] == "library") for r in table.rows)
     assert {r[6] for r in table.rows} == {"predicted", "traced"}
     monkeypatch.setattr(tp, "deepspeed_tiling_available", lambda: False)
-    assert len(tp.projection_searches()) == 2 + 1 + 2 + 2 + 2
+    assert len(tp.projection_searches()) == 2 + 1 + 2 + 2 + 2 + 2

@@ -40,8 +40,13 @@ PROJECTED = ("llama3.1-8b", "qwen3-30b-a3b")
 #: Where the projection puts the step: (devices, FSDP2 processes, placement): "host" is FSDP2's
 #: CPUOffloadPolicy for the library and the peer, "device" bf16 parameters and gradients on the device with
 #: AdamW in host memory (Llama-3.1-8B only: Qwen3-30B-A3B's bf16 weights and gradients alone pass 80 GiB),
-#: None everything on the device, sharded.
-PROJECTION_CASES = (("1 x 80 GiB", 1, "host"), ("1 x 80 GiB", 1, "device"), ("8 x 80 GiB, FSDP2", 8, None))
+#: None everything on the device, sharded; "context parallel" that, and the sequence sharded over the
+#: same processes.
+PROJECTION_CASES = (("1 x 80 GiB", 1, "host"), ("1 x 80 GiB", 1, "device"), ("8 x 80 GiB, FSDP2", 8, None),
+                    ("8 x 80 GiB, FSDP2 x CP 8", 8, "context parallel"))
+#: Processes the sequence is sharded over in the "context parallel" placement (the library's plan only:
+#: packed documents under CP are ``model_patches.enable_context_parallel``'s).
+CONTEXT_PARALLEL = 8
 #: Trainer's default optimizer (``adamw_torch_fused``): no parameter-sized temporaries in its step.
 OPTIMIZER = "adamw_fused"
 
@@ -105,7 +110,8 @@ def search_worker(spec: dict[str, Any]) -> dict[str, Any]:
     model = _prepared(spec["model"], spec["plan"], spec["layers"], dtype, meta=True)
     vocab = model.config.vocab_size
     kwargs = dict(device=spec["device"], world_size=spec.get("world_size", 1),
-                  offload_params=spec.get("offload_params", False), optimizer=spec.get("optimizer", OPTIMIZER))
+                  offload_params=spec.get("offload_params", False), optimizer=spec.get("optimizer", OPTIMIZER),
+                  context_parallel=spec.get("context_parallel", 1))
     static = _static(ac_policies.estimate(model, token_step(vocab)(START), **kwargs))
     budget = spec.get("budget") or static + spec["above_static"]
     start = time.perf_counter()
@@ -199,7 +205,8 @@ def projection_searches() -> list[tuple[str, str, int, Optional[str], str]]:
     return [(model, where, world, placement, plan)
             for model in PROJECTED for where, world, placement in PROJECTION_CASES for plan in plans()
             # stock keeps everything on the device in the first case already; 30B's weights pass 80 GiB
-            if placement != "device" or (plan != "stock+hf_gc" and model == "llama3.1-8b")]
+            if placement != "device" or (plan != "stock+hf_gc" and model == "llama3.1-8b")
+            if placement != "context parallel" or plan == "library"]
 
 
 def projection_table(command: str, timeout: float, tick: Callable[[str], None], measured: bool = False
@@ -213,7 +220,8 @@ def projection_table(command: str, timeout: float, tick: Callable[[str], None], 
         on_host = placement == "host" and plan != "stock+hf_gc"
         spec = {"model": model, "plan": plan, "layers": None, "dtype": "bfloat16", "device": "cuda",
                 "budget": 80 * GIB, "world_size": world, "offload_params": on_host,
-                "optimizer": None if placement == "device" else "adamw", "max_tokens": 1 << 22}
+                "optimizer": None if placement == "device" else "adamw", "max_tokens": 1 << 22,
+                "context_parallel": CONTEXT_PARALLEL if placement == "context parallel" else 1}
         try:
             s = isolated.call(search_worker, spec, timeout=timeout)
         except isolated.WorkerFailed as exc:  # one failed search (or a timeout) leaves the others' rows
@@ -221,7 +229,8 @@ def projection_table(command: str, timeout: float, tick: Callable[[str], None], 
         found[(model, where, placement, plan)] = s
         place = ("parameters, gradients, AdamW in host memory" if on_host else
                  "bf16 parameters and gradients on the device, AdamW in host memory" if placement == "device"
-                 else "all on the device")
+                 else f"all on the device; the sequence sharded over the {world} (enable_context_parallel)"
+                 if placement == "context parallel" else "all on the device")
         place += "; checkpoints offloaded" if library else ""
         rows.append([model, where, plan, place, s["tokens"], s["too_long"] or "-",
                      "predicted" if s.get("too_long_predicted") else "traced", s["limit"]])

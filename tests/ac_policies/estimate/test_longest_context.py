@@ -109,6 +109,34 @@ def test_the_command_prints_the_longest_context_table(tmp_path, capsys):
         command.main([str(path), "--longest"])  # --longest needs --budget
 
 
+def test_sharding_the_sequence_reaches_further_and_the_command_says_so(tmp_path, capsys, monkeypatch):
+    """``context_parallel=P``: lengths are the whole sequence's, each process's step traced on its
+    share against every process's keys and values (the all-gather) with the attention in blocks of
+    queries (here past 2^20 scores, as past 2^26 at real lengths); twice the processes, twice the
+    length."""
+    import importlib
+    import json
+
+    from model_patches.context_parallel import enable
+
+    monkeypatch.setattr(enable, "MASK_ELEMENTS", 1 << 20)
+    model = prepared_model("llama", "full", True, num_hidden_layers=2)
+    model.config._attn_implementation = "sdpa"
+    make = token_step(model.config.vocab_size)
+    found = {p: ac_policies.longest_context(model, make, 12 * 2**20, device=None, start=256, recommend=False,
+                                            context_parallel=p, resolution=2.0) for p in (1, 2)}
+    assert found[2].tokens >= 2 * found[1].tokens
+    assert "sharded over 2 processes" in str(found[2]) and model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="context_parallel"):
+        ac_policies.estimate(model, make(256), context_parallel=0)
+    command = importlib.import_module("ac_policies.estimate.__main__")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256)))
+    assert command.main([str(path), "--tokens", "1024", "--context-parallel", "4", "--device", "cpu"]) == 0
+    assert "the sequence sharded over 4 processes (one's shard)" in capsys.readouterr().out
+
+
 def test_a_predicted_too_long_length_does_not_fit_on_a_real_step():
     """Past a few thousand tokens the search traces its answer and predicts the next length over
     the budget from the quadratic in length; both hold on real steps."""

@@ -44,11 +44,11 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, tokens: int,
                 seed: int = 0, linear_loss: bool = False, router_loss: bool = False,
-                config: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+                config: Optional[dict[str, Any]] = None, mask_elements: int = 1 << 26) -> Optional[dict[str, Any]]:
     """``steps`` optimizer steps on one packed batch per step: one process (the reference, every rank
     computes it) and context-parallel over the mesh (``router_loss``: a MoE model's load-balancing
-    loss on, with the packing patch; ``config``: more config fields). Returns both runs' losses and
-    final gradients and weights."""
+    loss on, with the packing patch; ``config``: more config fields; ``mask_elements``: as
+    ``enable_context_parallel`` takes it). Returns both runs' losses and final gradients and weights."""
     if mesh is None:
         return None
     torch.manual_seed(seed)
@@ -60,7 +60,7 @@ def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, to
         model_patches.enable_linear_cross_entropy(reference)
         model_patches.enable_linear_cross_entropy(sharded)
     group = mesh.get_group()
-    cp = model_patches.enable_context_parallel(sharded, group)
+    cp = model_patches.enable_context_parallel(sharded, group, mask_elements=mask_elements)
     # SGD with momentum: AdamW divides each gradient by its own running size, so an entry whose
     # gradient is round-off on both sides can move by the learning rate on one and not the other
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
@@ -176,6 +176,24 @@ def fsdp_cp_step(mesh: Optional[Any], family: str, tokens: int) -> Optional[dict
              for n, p in sharded.named_parameters() if p.grad is not None}
     cp.remove()
     return {"losses": (loss_ref.detach(), total), "grads": (_grads(reference), grads)}
+
+
+def blocked_peaks(mesh: Optional[Any], tokens: int, mask_elements: int) -> Optional[dict[str, Any]]:
+    """One process's measured step peak (live tensors) and kept activations on a packed row of
+    ``tokens``, the attention whole (one block) and in blocks of ``mask_elements // tokens`` queries."""
+    from ac_policies.estimate import measure_step
+
+    if mesh is None:
+        return None
+    out = {}
+    for name, elements in (("whole", 1 << 40), ("blocks", mask_elements)):
+        model = _model("llama", "sdpa", 0)
+        cp = model_patches.enable_context_parallel(model, mesh.get_group(), mask_elements=elements)
+        local = cp.shard(packed_rows(1, tokens, model.config.vocab_size, seed=5))
+        step = measure_step(model, lambda m: m(**local).loss, optimizer=None)
+        cp.remove()
+        out[name] = {"peak": step.peak, "activations": step.activations}
+    return out
 
 
 def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int) -> Optional[dict[str, Any]]:
