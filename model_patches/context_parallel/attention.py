@@ -135,6 +135,11 @@ def _block_mask(positions: torch.Tensor, documents: torch.Tensor, key_positions:
     return allowed[:, None]
 
 
+#: The fewest queries a block holds, however long the row: past ``mask_elements / (heads x 128)``
+#: keys a block's scores pass ``mask_elements`` rather than the step running thousands of calls a layer.
+MIN_BLOCK = 128
+
+
 def _sdpa_block(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 positions: torch.Tensor, documents: torch.Tensor, key_positions: torch.Tensor,
                 key_documents: torch.Tensor, window: Optional[int], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -163,8 +168,8 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
     """Local queries ``[B, H, L, D]`` against every process's keys and values under the row's
     document mask; Transformers' return, ``([B, L, H, D], weights or None)``. With sdpa, when
     ``B x H x L x T`` passes the group's ``mask_elements``, the queries attend in blocks of
-    ``mask_elements // (B x H x T)``, each recomputed in backward: the mask and scores held at once
-    are one block's."""
+    ``mask_elements // (B x H x T)`` (at least :data:`MIN_BLOCK`), each recomputed in backward: the
+    mask and scores held at once are one block's."""
     cp = _group_of(module)
     position_ids = kwargs.pop("position_ids", None)
     documents = kwargs.pop(DOCUMENTS_KEY, None)
@@ -188,7 +193,7 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
             ~mask, torch.finfo(query.dtype).min)
         return _family_eager(module)(module, query, key, value, mask, **kwargs)
     kwargs.pop("is_causal", None)
-    block = max(1, cp.mask_elements // (key.shape[2] * rows * query.shape[1]))
+    block = max(MIN_BLOCK, cp.mask_elements // (key.shape[2] * rows * query.shape[1]))
     if query.shape[2] <= block:
         return _sdpa_block(module, query, key, value, positions, documents, key_positions, key_documents, window,
                            kwargs), None

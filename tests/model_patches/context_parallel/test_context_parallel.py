@@ -63,8 +63,8 @@ def test_three_steps_equal_one_process(pool, family, world, attention, linear_lo
 def test_attention_in_blocks_of_queries_equals_one_process_and_keeps_less(pool):
     """``mask_elements`` small enough that each process's queries attend in checkpointed blocks:
     the same losses and gradients, and no ``[local, T]`` mask or score tensor kept for backward."""
-    for rank, r in enumerate(pool.run(workers.train_steps, (2,), "llama", "sdpa", 3, 100, 0, False, False, {},
-                                      1000)[:2]):  # blocks of 10 of the 50 queries
+    for rank, r in enumerate(pool.run(workers.train_steps, (2,), "llama", "sdpa", 3, 1024, 0, False, False, {},
+                                      1000)[:2]):  # blocks of 128 (the fewest) of the 512 queries
         _same_losses_and_gradients(r, rank)
     for r in pool.run(workers.blocked_peaks, (4,), 2048, 64 * 2048):
         assert r["blocks"]["activations"] < r["whole"]["activations"]
