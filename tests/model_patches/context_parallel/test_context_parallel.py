@@ -40,18 +40,21 @@ def _same_losses_and_gradients(r: dict, rank: int) -> None:
 WINDOW = {"sliding_window": 16}
 
 
-@pytest.mark.parametrize("family, world, attention, linear_loss, router_loss, config", [
-    ("llama", 2, "sdpa", False, False, {}), ("llama", 2, "eager", False, False, {}),
-    ("llama", 4, "sdpa", False, False, {}), ("llama", 2, "sdpa", True, False, {}),
-    ("qwen3_moe", 4, "sdpa", False, True, {}),
-    ("mistral", 4, "sdpa", False, False, WINDOW),   # every layer windowed
-    ("gemma2", 2, "eager", False, False, WINDOW),   # windowed and full layers, soft-capping (eager)
-    ("gemma3_text", 4, "sdpa", False, False, WINDOW),
+@pytest.mark.parametrize("family, world, attention, linear_loss, router_loss, config, policy", [
+    ("llama", 2, "sdpa", False, False, {}, None), ("llama", 2, "eager", False, False, {}, None),
+    ("llama", 4, "sdpa", False, False, {}, None), ("llama", 2, "sdpa", True, False, {}, None),
+    ("qwen3_moe", 4, "sdpa", False, True, {}, None),
+    ("mistral", 4, "sdpa", False, False, WINDOW, None),   # every layer windowed
+    ("gemma2", 2, "eager", False, False, WINDOW, None),   # windowed and full layers, soft-capping (eager)
+    ("gemma3_text", 4, "sdpa", False, False, WINDOW, None),
+    ("llama", 2, "sdpa", True, False, {}, "long_context"),  # checkpoints recompute the gathers; tiled MLPs
+    ("qwen3_moe", 2, "sdpa", True, False, {}, "non_moe"),
 ])
-def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss, config):
+def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss, config, policy):
     """Qwen3-MoE with its load-balancing loss: counted over the whole sequence on every process.
-    Sliding windows: applied to positions in the whole row."""
-    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss, router_loss, config)
+    Sliding windows: applied to positions in the whole row. Checkpointing presets on both runs."""
+    runs = pool.run(workers.train_steps, (world,), family, attention, 3, 100, 0, linear_loss, router_loss, config,
+                    1 << 26, policy)
     for rank, r in enumerate(runs[:world]):
         _same_losses_and_gradients(r, rank)
         weights_ref, weights_cp = r["weights"]
@@ -69,6 +72,15 @@ def test_attention_in_blocks_of_queries_equals_one_process_and_keeps_less(pool):
     for r in pool.run(workers.blocked_peaks, (4,), 2048, 64 * 2048):
         assert r["blocks"]["activations"] < r["whole"]["activations"]
         assert r["blocks"]["peak"] < r["whole"]["peak"]
+
+
+def test_the_library_losses_over_a_shard_equal_one_process(pool):
+    """Token log-probs and entropies (put back in row order), the distillation loss and
+    ``enable_chunked_loss``'s loss (each process's sum over the batch's count, summed over the
+    group) equal one process's on the whole rows."""
+    for r in pool.run(workers.library_losses, (2,), 100)[:2]:
+        for name, (sharded, whole) in r.items():
+            torch.testing.assert_close(sharded, whole, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_two_accumulated_micro_batches_equal_one_process(pool):

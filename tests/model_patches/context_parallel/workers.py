@@ -44,11 +44,13 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, tokens: int,
                 seed: int = 0, linear_loss: bool = False, router_loss: bool = False,
-                config: Optional[dict[str, Any]] = None, mask_elements: int = 1 << 26) -> Optional[dict[str, Any]]:
+                config: Optional[dict[str, Any]] = None, mask_elements: int = 1 << 26,
+                policy: Optional[str] = None) -> Optional[dict[str, Any]]:
     """``steps`` optimizer steps on one packed batch per step: one process (the reference, every rank
     computes it) and context-parallel over the mesh (``router_loss``: a MoE model's load-balancing
     loss on, with the packing patch; ``config``: more config fields; ``mask_elements``: as
-    ``enable_context_parallel`` takes it). Returns both runs' losses and final gradients and weights."""
+    ``enable_context_parallel`` takes it; ``policy``: an ``ac_policies`` preset on both). Returns both
+    runs' losses and final gradients and weights."""
     if mesh is None:
         return None
     torch.manual_seed(seed)
@@ -59,6 +61,15 @@ def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, to
     if linear_loss:  # the hidden-state loss on both
         model_patches.enable_linear_cross_entropy(reference)
         model_patches.enable_linear_cross_entropy(sharded)
+    if policy is not None:
+        import warnings
+
+        import ac_policies
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ac_policies.ACPolicyWarning)
+            ac_policies.apply_policy(reference, policy)
+            ac_policies.apply_policy(sharded, policy)
     group = mesh.get_group()
     cp = model_patches.enable_context_parallel(sharded, group, mask_elements=mask_elements)
     # SGD with momentum: AdamW divides each gradient by its own running size, so an entry whose
@@ -223,3 +234,37 @@ def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int) -> Opt
                      optimizer=None)
     return {"measured": measured.peak, "estimated": estimated.peak, "whole": whole.peak,
             "fixed": measured.params + measured.buffers, "text": str(estimated)}
+
+
+def library_losses(mesh: Optional[Any], tokens: int) -> Optional[dict[str, Any]]:
+    """The library's losses on a shard against one process on the whole row: token log-probs and
+    entropies (``unshard`` to the row), the distillation loss (its mean: this shard's sum over the
+    batch's count, ``num_items_in_batch``) summed over the group, and the loss
+    of ``enable_chunked_loss`` summed over the group, each with its one-process value."""
+    if mesh is None:
+        return None
+    group = mesh.get_group()
+    student, teacher = _model("llama", "sdpa", 0), _model("llama", "sdpa", 1)
+    batch = packed_rows(2, tokens, student.config.vocab_size, seed=7)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        whole = model_patches.causal_lm_token_logprobs(student, return_entropy=True, **batch)
+        whole_kd = model_patches.causal_lm_distillation_loss(student, teacher, **batch)
+        chunked = model_patches.enable_chunked_loss(model=student)
+        whole_chunked = student(**batch).loss
+        chunked.remove()
+        cps = [model_patches.enable_context_parallel(m, group) for m in (student, teacher)]
+        local = cps[0].shard(batch)
+        logp, entropy = model_patches.causal_lm_token_logprobs(student, return_entropy=True, **local)
+        out["logprobs"] = (cps[0].unshard(logp)[:, :-1], whole[0][:, :-1])
+        out["entropy"] = (cps[0].unshard(entropy)[:, :-1], whole[1][:, :-1])
+        kd = model_patches.causal_lm_distillation_loss(student, teacher, **local)
+        chunked = model_patches.enable_chunked_loss(model=student)
+        loss = student(**local).loss
+        chunked.remove()
+        for t in (kd, loss):
+            dist.all_reduce(t, group=group)
+        out["distillation"], out["chunked"] = (kd, whole_kd), (loss, whole_chunked)
+        for cp in cps:
+            cp.remove()
+    return out
