@@ -19,6 +19,10 @@ parallelism with the upgrade to make. Settings whose loss would read a shard as 
 (``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` on logits) are refused
 with the setting to change.
 
+Under DeepSpeed's Ulysses (``sp_size``) with packed rows, a step is refused unless the model runs
+flash attention (DeepSpeed drops the mask after its all-to-all; its flash path reads the gathered
+``position_ids``), with the settings to change.
+
 Accelerate also hooks every ``self_attn`` module to drop its attention mask (``is_causal=True``)
 when it prepares a model for context parallelism; with packing on, a record on Accelerate leaves
 those hooks out. A forward that is not sharded (TRL's ``SFTTrainer.prediction_step`` does not call
@@ -115,10 +119,54 @@ def _sharded_step(model: torch.nn.Module, group: dist.ProcessGroup) -> Iterator[
         handle.remove()
 
 
+def _packed(inputs: dict[str, Any], rank: int) -> bool:
+    """Whether sequence-parallel process ``rank``'s shard (``[B, L]``, the ``rank``-th contiguous
+    piece of each row) comes from packed rows: its ``position_ids`` are not the row's own positions
+    ``rank * L ...``, or its attention mask holds document ids."""
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel() and int(mask.max()) > 1:
+        return True
+    positions = inputs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return False
+    width = positions.shape[1]
+    own = torch.arange(rank * width, (rank + 1) * width, device=positions.device)
+    return not bool((positions == own).all())
+
+
+def _ulysses_refusal(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> Optional[str]:
+    """Under DeepSpeed's Ulysses (``sp_size``), why packed rows would leak, or None. DeepSpeed drops
+    the attention mask after its all-to-all: sdpa then attends causally across the whole row and its
+    flex path rebuilds a causal block mask; its flash-attention path keeps documents apart from the
+    gathered ``position_ids``. Decided over the whole sequence-parallel group, so that every
+    process raises together."""
+    config = trainer.accelerator.parallelism_config
+    implementation = str(getattr(getattr(trainer.accelerator.unwrap_model(model), "config", None),
+                                 "_attn_implementation", ""))
+    if not (config.sp_enabled and config.sp_backend == "deepspeed") or "flash" in implementation:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+
+    group = mpu.get_sequence_parallel_group()
+    packed = torch.tensor(int(_packed(inputs, dist.get_rank(group))), device=inputs["input_ids"].device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    if not int(packed):
+        return None
+    return (f"DeepSpeed's Ulysses sequence parallelism (sp_size={config.sp_size}) drops the attention mask after "
+            f"its all-to-all, so packed documents would attend to each other with attn_implementation="
+            f"{implementation!r}: load the model with attn_implementation='flash_attention_2' (Ulysses keeps "
+            "documents apart from the gathered position_ids there), or shard the sequence with cp_size instead "
+            "of sp_size (model_patches keeps packed documents apart under context parallelism)")
+
+
 def _build(original: Callable) -> Callable:
     @functools.wraps(original)
     def _prepare_context_parallel_inputs(self: Any, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
         config = getattr(self.accelerator, "parallelism_config", None)
+        if is_applied(_TARGET) and config is not None and getattr(config, "sp_enabled", False):
+            why = _ulysses_refusal(self, model, inputs)
+            if why is not None:
+                raise ValueError(f"packing: {why}")
         if not (is_applied(_TARGET) and config is not None and config.cp_enabled):
             return original(self, model, inputs)
         why = _refusal(self, model)

@@ -80,3 +80,26 @@ def test_a_per_token_input_that_would_stay_whole_is_refused():
                            2, 1)
     assert "cu_seq_lens_q" not in local and local["use_cache"] is False and "num_items_in_batch" not in local
     assert local["input_ids"].tolist() == [[2, 3, 4, 5]]  # pieces 1 and 2 of 4: the middle of the row
+
+
+def test_a_shard_of_packed_rows_is_recognised_from_its_positions():
+    """Sequence-parallel process ``r`` holds the ``r``-th contiguous piece of each row: unpacked, its
+    positions are the row's own; packed, they restart (or start elsewhere) or the mask holds ids."""
+    from model_patches.context_parallel.trainer import _packed
+
+    assert not _packed({"position_ids": torch.arange(4, 8)[None]}, 1)
+    assert _packed({"position_ids": torch.tensor([[4, 5, 0, 1]])}, 1)
+    assert _packed({"position_ids": torch.tensor([[2, 3, 4, 5]])}, 1)  # a document began inside piece 0
+    assert _packed({"attention_mask": torch.tensor([[1, 1, 2, 2]])}, 0)
+    assert not _packed({"attention_mask": torch.tensor([[1, 1, 1, 0]])}, 0)
+
+
+def test_ulysses_refuses_packed_rows_unless_flash_attention_keeps_them_apart(pool):
+    """DeepSpeed's Ulysses drops the mask after its all-to-all: packed rows with sdpa are refused on
+    every process of the group (the first piece of the row looks unpacked on its own), with the
+    settings to change; unpacked rows and flash attention pass."""
+    pytest.importorskip("deepspeed")
+    for message in pool.run(workers.ulysses_refusal, (4,), True, "sdpa"):
+        assert "attn_implementation='flash_attention_2'" in message and "cp_size" in message
+    assert pool.run(workers.ulysses_refusal, (4,), False, "sdpa") == [None] * 4
+    assert pool.run(workers.ulysses_refusal, (4,), True, "flash_attention_2") == [None] * 4

@@ -96,3 +96,29 @@ def refusal(mesh: Optional[Any], overrides: dict[str, Any]) -> Optional[str]:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def ulysses_refusal(mesh: Optional[Any], packed: bool, implementation: str) -> Optional[str]:
+    """The refusal a Trainer step would raise under DeepSpeed's Ulysses (sp_size=2 over pairs of
+    processes) on this process's shard of a row, packed or not; None when it would not."""
+    import types
+
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+
+    from model_patches.context_parallel import trainer
+
+    if mesh is None:
+        return None
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's communication layer over this group
+    if mpu._SEQUENCE_PARALLEL_GROUP is None:
+        mpu.initialize_sequence_parallel(sequence_parallel_size=2)
+    rank = dist.get_rank(mpu.get_sequence_parallel_group())
+    row = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7] if not packed else [0, 1, 2, 3, 4, 5, 0, 1])  # rank 0's piece is 0..3
+    inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "position_ids": row[rank * 4:(rank + 1) * 4][None]}
+    model = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=implementation))
+    config = types.SimpleNamespace(sp_enabled=True, sp_backend="deepspeed", sp_size=2)
+    fake = types.SimpleNamespace(accelerator=types.SimpleNamespace(parallelism_config=config, unwrap_model=lambda m: m))
+    return trainer._ulysses_refusal(fake, model, inputs)
