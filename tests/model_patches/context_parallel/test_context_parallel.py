@@ -106,11 +106,13 @@ def test_no_document_sees_another(pool, family, world, config):
         assert not torch.equal(r["after"][0, r["victim"]], r["before"][0, r["victim"]])
 
 
-@pytest.mark.parametrize("world, policy", [(2, "none"), (4, "full")])
-def test_the_estimate_of_one_process_step_is_within_10_percent_of_the_measured_one(pool, world, policy):
+@pytest.mark.parametrize("world, policy, mask_elements", [(2, "none", None), (4, "full", None), (2, "full", 1000)])
+def test_the_estimate_of_one_process_step_is_within_10_percent_of_the_measured_one(pool, world, policy,
+                                                                                    mask_elements):
     """``ac_policies.estimate(..., context_parallel=P)`` traces one process's shard on fake tensors,
-    without a process group, against every process's keys: what a process of a real run holds."""
-    for r in pool.run(workers.estimated_and_measured, (world,), policy, 1024)[:world]:
+    without a process group, against every process's keys: what a process of a real run holds
+    (also with the attention in blocks of queries, of which the estimate traces the first)."""
+    for r in pool.run(workers.estimated_and_measured, (world,), policy, 1024, mask_elements)[:world]:
         assert abs(r["estimated"] - r["measured"]) <= 0.10 * r["measured"], r["text"]
         assert f"sharded over {world} processes" in r["text"]
 

@@ -207,15 +207,20 @@ def blocked_peaks(mesh: Optional[Any], tokens: int, mask_elements: int) -> Optio
     return out
 
 
-def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int) -> Optional[dict[str, Any]]:
+def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int,
+                           mask_elements: Optional[int] = None) -> Optional[dict[str, Any]]:
     """One process's step of a packed row of ``tokens`` sharded over the mesh: measured on live
     tensors (``measure_step``, the real gathers) and estimated on fake tensors without a process
-    group (``estimate(context_parallel=world)``), the model with checkpointing ``policy``."""
+    group (``estimate(context_parallel=world)``), the model with checkpointing ``policy``
+    (``mask_elements``: both runs' attention blocks, in place of the default)."""
     from ac_policies.estimate import estimate, measure_step
+    from model_patches.context_parallel import enable
     from tests.ac_policies.estimate.workers.fsdp_estimate import prepared_model
 
     if mesh is None:
         return None
+    if mask_elements is not None:
+        enable.MASK_ELEMENTS = mask_elements  # this worker process's default, for both runs
     model = prepared_model("llama", policy, False, use_cache=False)
     model.config._attn_implementation = "sdpa"
     vocab = model.config.vocab_size
@@ -232,6 +237,7 @@ def estimated_and_measured(mesh: Optional[Any], policy: str, tokens: int) -> Opt
     estimated = estimate(model, step, optimizer=None, context_parallel=mesh.size())
     whole = estimate(model, lambda m: m(input_ids=(ids := torch.randint(0, vocab, (1, tokens))), labels=ids).loss,
                      optimizer=None)
+    enable.MASK_ELEMENTS = 1 << 26
     return {"measured": measured.peak, "estimated": estimated.peak, "whole": whole.peak,
             "fixed": measured.params + measured.buffers, "text": str(estimated)}
 
