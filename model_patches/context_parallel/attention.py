@@ -13,7 +13,8 @@ Each process holds a head-tail shard of the packed row (:mod:`.layout`). Per att
 
 Step 3 runs the model's own sdpa or eager attention function with that mask, so GQA, scaling and
 dropout are Transformers'. The attention functions are registered with Transformers under
-``cp_sdpa`` and ``cp_eager`` (:data:`IMPLEMENTATIONS`); which group a model's layers use is looked
+``cp_sdpa``, ``cp_eager`` and ``cp_flex_attention`` (:data:`IMPLEMENTATIONS`; flex builds a
+``BlockMask`` of the same mask instead); which group a model's layers use is looked
 up from their config (:func:`register_group`), so a copy of the model that was not enabled raises
 instead of attending alone.
 """
@@ -33,7 +34,7 @@ __all__ = ["DOCUMENTS_KEY", "IMPLEMENTATIONS", "CPGroup", "gather_sequence", "ga
 #: attention layers (Transformers passes a forward's extra keyword arguments down to attention).
 DOCUMENTS_KEY = "cp_document_ids"
 #: The Transformers attention implementation each wrapped one is registered as.
-IMPLEMENTATIONS = {"sdpa": "cp_sdpa", "eager": "cp_eager"}
+IMPLEMENTATIONS = {"sdpa": "cp_sdpa", "eager": "cp_eager", "flex_attention": "cp_flex_attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +188,8 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
     key_positions, key_documents = gather_tokens(positions, cp), gather_tokens(documents, cp)
     key = gather_sequence(key, cp, dim=2)
     value = gather_sequence(value, cp, dim=2)
+    if inner == "flex":
+        return _flex(module, query, key, value, positions, documents, key_positions, key_documents, window, kwargs)
     if inner == "eager":
         mask = _block_mask(positions, documents, key_positions, key_documents, window)
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -213,6 +216,32 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
     return torch.cat(out, dim=1), None
 
 
+def _flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          positions: torch.Tensor, documents: torch.Tensor, key_positions: torch.Tensor, key_documents: torch.Tensor,
+          window: Optional[int], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """Transformers' flex attention under a ``BlockMask`` of the local queries against every key:
+    the document mask as a ``mask_mod`` over this process's ids and the gathered ones (blocks with
+    no allowed pair are skipped, and no ``[local, T]`` tensor is kept)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    def same_document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        distance = positions[b, q] - key_positions[b, kv]
+        allowed = (documents[b, q] == key_documents[b, kv]) & (distance >= 0)
+        return allowed & (distance < window) if window else allowed
+
+    block_mask = create_block_mask(same_document_causal, query.shape[0], None, query.shape[2], key.shape[2],
+                                   device=query.device)
+    kwargs.pop("is_causal", None)
+    return flex_attention_forward(module, query, key, value, block_mask, **kwargs)
+
+
+def cp_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """Transformers' flex attention over the group's keys, under the row's document mask."""
+    return _attend("flex", module, query, key, value, attention_mask, **kwargs)
+
+
 def cp_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """Transformers' sdpa attention over the group's keys, under the row's document mask."""
@@ -235,6 +264,7 @@ def register_implementations() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    for fn, name in ((cp_sdpa_attention, "cp_sdpa"), (cp_eager_attention, "cp_eager")):
+    for fn, name in ((cp_sdpa_attention, "cp_sdpa"), (cp_eager_attention, "cp_eager"),
+                     (cp_flex_attention, "cp_flex_attention")):
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, _no_mask)

@@ -93,6 +93,18 @@ def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
         _same_losses_and_gradients(r, rank)
 
 
+# flex attention compiles its kernel (about 50 s on 2 cores for both shapes): nightly
+@pytest.mark.slow
+def test_flex_attention_forward_equals_one_process_and_keeps_documents_apart(pool):
+    """Flex has no backward on CPU: forward only. The local queries' ``BlockMask`` against the
+    gathered keys gives the one process's logits, and another document's tokens change nothing."""
+    for r in pool.run(workers.flex_forward, (2,), 100)[:2]:
+        torch.testing.assert_close(r["sharded"], r["whole"], rtol=1e-5, atol=1e-5)
+        others = ~r["victim"]
+        assert torch.equal(r["after"][0, others], r["sharded"][0, others])
+        assert not torch.equal(r["after"][0, r["victim"]], r["sharded"][0, r["victim"]])
+
+
 @pytest.mark.parametrize("family, world, config", [("llama", 2, {}), ("llama", 4, {}), ("qwen3_moe", 4, {}),
                                                   ("mistral", 4, WINDOW)])
 def test_no_document_sees_another(pool, family, world, config):
@@ -141,7 +153,7 @@ def test_attention_work_per_process_is_even_on_packed_batches(world):
 
 
 @pytest.mark.parametrize("family, overrides, match", [
-    ("llama", {"attn_implementation": "flex_attention"}, "attn_implementation='sdpa'"),
+    ("llama", {"attn_implementation": "flash_attention_2"}, "attn_implementation='sdpa'"),
     ("llama4_text", {}, "chunked attention"),
     ("qwen3_next", {}, "stateful_mixer"),
     ("mamba", {}, "stateful_mixer"),

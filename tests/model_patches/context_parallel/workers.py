@@ -274,3 +274,30 @@ def library_losses(mesh: Optional[Any], tokens: int) -> Optional[dict[str, Any]]
         for cp in cps:
             cp.remove()
     return out
+
+
+def flex_forward(mesh: Optional[Any], tokens: int) -> Optional[dict[str, Any]]:
+    """Forward only (flex attention has no backward on CPU): the whole rows' logits of one process
+    (the packing patch's flex mask) and of the context-parallel processes (put back in row order),
+    and the latter again after one document's tokens changed."""
+    if mesh is None:
+        return None
+    # Each shape compiles on its own: torch 2.13's CPU flex kernel fails to build once dynamo
+    # recompiles it for dynamic shapes (C++ "cur_kvSplitSize was not declared").
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    handle = model_patches.enable_packing()
+    model = _model("llama", "flex_attention", 0).eval()
+    batch = packed_rows(1, tokens, model.config.vocab_size, seed=3)
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+    docs = model_patches.context_parallel.document_ids(batch["position_ids"])
+    victim = docs[0] == int(torch.bincount(docs[0]).argmax())
+    changed = dict(inputs, input_ids=torch.where(victim, (inputs["input_ids"] + 1) % model.config.vocab_size,
+                                                 inputs["input_ids"]))
+    with torch.no_grad():
+        whole = model(**inputs).logits
+        cp = model_patches.enable_context_parallel(model, mesh.get_group())
+        sharded = cp.unshard(model(**cp.shard(inputs)).logits)
+        after = cp.unshard(model(**cp.shard(changed)).logits)
+        cp.remove()
+    handle.remove()
+    return {"whole": whole, "sharded": sharded, "after": after, "victim": victim}
