@@ -13,8 +13,9 @@ Each process holds a head-tail shard of the packed row (:mod:`.layout`). Per att
 
 Step 3 runs the model's own sdpa or eager attention function with that mask, so GQA, scaling and
 dropout are Transformers'. The attention functions are registered with Transformers under
-``cp_sdpa``, ``cp_eager`` and ``cp_flex_attention`` (:data:`IMPLEMENTATIONS`; flex builds a
-``BlockMask`` of the same mask instead); which group a model's layers use is looked
+``cp_sdpa``, ``cp_eager``, ``cp_flex_attention`` and ``cp_flash_attention_2/3``
+(:data:`IMPLEMENTATIONS`; flex builds a ``BlockMask`` of the same mask instead, FlashAttention a
+varlen sequence per piece of a document against its keys up to it); which group a model's layers use is looked
 up from their config (:func:`register_group`), so a copy of the model that was not enabled raises
 instead of attending alone.
 """
@@ -22,6 +23,7 @@ instead of attending alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import torch
@@ -34,7 +36,8 @@ __all__ = ["DOCUMENTS_KEY", "IMPLEMENTATIONS", "CPGroup", "gather_sequence", "ga
 #: attention layers (Transformers passes a forward's extra keyword arguments down to attention).
 DOCUMENTS_KEY = "cp_document_ids"
 #: The Transformers attention implementation each wrapped one is registered as.
-IMPLEMENTATIONS = {"sdpa": "cp_sdpa", "eager": "cp_eager", "flex_attention": "cp_flex_attention"}
+IMPLEMENTATIONS = {"sdpa": "cp_sdpa", "eager": "cp_eager", "flex_attention": "cp_flex_attention",
+                   "flash_attention_2": "cp_flash_attention_2", "flash_attention_3": "cp_flash_attention_3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +193,8 @@ def _attend(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch
     value = gather_sequence(value, cp, dim=2)
     if inner == "flex":
         return _flex(module, query, key, value, positions, documents, key_positions, key_documents, window, kwargs)
+    if inner.startswith("flash"):
+        return _flash(inner, module, query, key, value, positions, documents, key_positions, key_documents, kwargs)
     if inner == "eager":
         mask = _block_mask(positions, documents, key_positions, key_documents, window)
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
@@ -236,6 +241,53 @@ def _flex(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value
     return flex_attention_forward(module, query, key, value, block_mask, **kwargs)
 
 
+def _flash(inner: str, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           positions: torch.Tensor, documents: torch.Tensor, key_positions: torch.Tensor,
+           key_documents: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+    """Transformers' FlashAttention, varlen: each run of local queries (one document's consecutive
+    positions: a piece of it, or a padding token) is a sequence whose keys are its document's from
+    the document's first position to the run's last, in position order, so flash's bottom-right
+    causal alignment (and its window) is the document mask. The keys of the pieces are gathered
+    into one packed row (each document's prefix once per piece: at most twice the row's keys)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    rows, local = positions.shape
+    tokens = key_positions.shape[1]
+    device = query.device
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = (documents[:, 1:] != documents[:, :-1]) | (positions[:, 1:] != positions[:, :-1] + 1)
+    flat = starts.reshape(-1)
+    run = flat.long().cumsum(0) - 1
+    runs = int(run[-1]) + 1
+    q_lens = torch.bincount(run, minlength=runs)
+    last = torch.zeros(runs, dtype=positions.dtype, device=device).scatter_reduce(
+        0, run, positions.reshape(-1), "amax", include_self=False)
+    run_row = torch.arange(rows, device=device).repeat_interleave(local)[flat]
+    run_doc = documents.reshape(-1)[flat]
+    # every key of the rows ordered by (row, document, position): a document's keys are contiguous
+    key_rows = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
+    k_docs, k_pos = key_documents.reshape(-1), key_positions.reshape(-1)
+    low = torch.minimum(k_docs.min(), run_doc.min())
+    span = int(torch.maximum(k_docs.max(), run_doc.max()) - low) + 1
+    order = torch.argsort(key_rows * span * (tokens + 1) + (k_docs - low) * (tokens + 1) + k_pos, stable=True)
+    sorted_doc_key = (key_rows * span + (k_docs - low))[order]
+    first = torch.searchsorted(sorted_doc_key, run_row * span + (run_doc - low))
+    k_lens = last - k_pos[order][first] + 1
+    offsets = torch.cumsum(k_lens, 0) - k_lens
+    total = int(k_lens.sum())
+    index = order[torch.repeat_interleave(first - offsets, k_lens) + torch.arange(total, device=device)]
+
+    def packed(t: torch.Tensor) -> torch.Tensor:  # [B, heads, T, D] -> [1, heads, selected, D]
+        flat_t = t.transpose(1, 2).reshape(rows * tokens, t.shape[1], t.shape[3])
+        return flat_t.index_select(0, index).transpose(0, 1).unsqueeze(0)
+
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    kwargs.update(is_causal=True, cu_seq_lens_q=torch.cat([zero, q_lens.cumsum(0).int()]),
+                  cu_seq_lens_k=torch.cat([zero, k_lens.cumsum(0).int()]), max_length_q=int(q_lens.max()),
+                  max_length_k=int(k_lens.max()))
+    return ALL_ATTENTION_FUNCTIONS[inner](module, query, packed(key), packed(value), None, **kwargs)
+
+
 def cp_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
     """Transformers' flex attention over the group's keys, under the row's document mask."""
@@ -260,7 +312,7 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 
 def register_implementations() -> None:
-    """Register ``cp_sdpa`` and ``cp_eager`` with Transformers' attention (and mask) interfaces."""
+    """Register :data:`IMPLEMENTATIONS`' functions with Transformers' attention (and mask) interfaces."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -268,3 +320,6 @@ def register_implementations() -> None:
                      (cp_flex_attention, "cp_flex_attention")):
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, _no_mask)
+    for inner in ("flash_attention_2", "flash_attention_3"):
+        AttentionInterface.register(IMPLEMENTATIONS[inner], functools.partial(_attend, inner))
+        AttentionMaskInterface.register(IMPLEMENTATIONS[inner], _no_mask)

@@ -273,12 +273,14 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     Each process holds a head-tail piece of every packed document (:meth:`ContextParallelHandle.shard`);
     each attention layer all-gathers keys and values over the group and attends its local queries
     to them under the whole row's document mask (same document, causal), ``[local, T]`` per row.
-    Runs on the sdpa, eager and flex_attention implementations (flex through a ``BlockMask``;
-    forward tested on CPU, where flex has no backward). MoE models route each token where it is; their
+    Runs on the sdpa, eager, flex_attention and flash_attention_2/3 implementations (flex through a
+    ``BlockMask``, forward tested on CPU, where flex has no backward; FlashAttention varlen, each
+    piece of a document against its document's keys up to it, tested through the CPU double of
+    its kernels). MoE models route each token where it is; their
     load-balancing loss (``output_router_logits``) is counted over the whole sequence, with
     :func:`~model_patches.enable_packing` on (:mod:`.router_loss`). Refused, with the setting to
-    change: FlashAttention (its varlen path needs per-document ``cu_seqlens`` of the local queries
-    against the gathered keys; not built here), chunked layers, stateful mixers, the load-balancing
+    change: other attention implementations (paged, hub kernels), chunked layers, stateful mixers,
+    the load-balancing
     loss without the packing patch. Sliding-window layers apply their window to positions in the
     whole row.
 

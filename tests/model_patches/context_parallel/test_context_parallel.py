@@ -93,6 +93,22 @@ def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
         _same_losses_and_gradients(r, rank)
 
 
+@pytest.mark.parametrize("family, world, config", [("llama", 2, {}), ("mistral", 4, WINDOW)])
+def test_flash_attention_varlen_equals_one_process(pool, family, world, config):
+    """FlashAttention (Transformers' kernels routed to the CPU double: per-sequence SDPA with flash's
+    bottom-right causal alignment and window): each piece of a document is a varlen sequence against
+    its document's keys up to it. Against one process on sdpa (on 2 packed rows Transformers' own
+    flash path reads packed ``position_ids`` only at batch size 1)."""
+    runs = pool.run(workers.on_cpu_flash, (world,), "train_steps", family, "sdpa", 3, 100, 0, False, False, config,
+                    1 << 26, None, "flash_attention_2")
+    for rank, r in enumerate(runs[:world]):
+        _same_losses_and_gradients(r, rank)
+        assert r["implementation"] == "flash_attention_2"
+    for r in pool.run(workers.on_cpu_flash, (world,), "perturbed_document", family, "flash_attention_2", 100,
+                      config)[:world]:
+        assert torch.equal(r["after"][0, ~r["victim"]], r["before"][0, ~r["victim"]])
+
+
 # flex attention compiles its kernel (about 50 s on 2 cores for both shapes): nightly
 @pytest.mark.slow
 def test_flex_attention_forward_equals_one_process_and_keeps_documents_apart(pool):
@@ -153,7 +169,7 @@ def test_attention_work_per_process_is_even_on_packed_batches(world):
 
 
 @pytest.mark.parametrize("family, overrides, match", [
-    ("llama", {"attn_implementation": "flash_attention_2"}, "attn_implementation='sdpa'"),
+    ("llama", {"attn_implementation": "paged|sdpa"}, "attn_implementation='sdpa'"),
     ("llama4_text", {}, "chunked attention"),
     ("qwen3_next", {}, "stateful_mixer"),
     ("mamba", {}, "stateful_mixer"),

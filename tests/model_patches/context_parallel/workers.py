@@ -45,12 +45,13 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, tokens: int,
                 seed: int = 0, linear_loss: bool = False, router_loss: bool = False,
                 config: Optional[dict[str, Any]] = None, mask_elements: int = 1 << 26,
-                policy: Optional[str] = None) -> Optional[dict[str, Any]]:
+                policy: Optional[str] = None, sharded_attention: Optional[str] = None) -> Optional[dict[str, Any]]:
     """``steps`` optimizer steps on one packed batch per step: one process (the reference, every rank
     computes it) and context-parallel over the mesh (``router_loss``: a MoE model's load-balancing
     loss on, with the packing patch; ``config``: more config fields; ``mask_elements``: as
-    ``enable_context_parallel`` takes it; ``policy``: an ``ac_policies`` preset on both). Returns both
-    runs' losses and final gradients and weights."""
+    ``enable_context_parallel`` takes it; ``policy``: an ``ac_policies`` preset on both;
+    ``sharded_attention``: the context-parallel run's attention, when not the reference's). Returns
+    both runs' losses and final gradients and weights."""
     if mesh is None:
         return None
     torch.manual_seed(seed)
@@ -58,6 +59,10 @@ def train_steps(mesh: Optional[Any], family: str, attention: str, steps: int, to
     reference = _model(family, attention, seed, **(config or {}),
                        **({"output_router_logits": True} if router_loss else {}))
     sharded = copy.deepcopy(reference)
+    if sharded_attention is not None:
+        from model_patches.testing.flash_double import use_attention
+
+        use_attention(sharded, sharded_attention)
     if linear_loss:  # the hidden-state loss on both
         model_patches.enable_linear_cross_entropy(reference)
         model_patches.enable_linear_cross_entropy(sharded)
@@ -301,3 +306,12 @@ def flex_forward(mesh: Optional[Any], tokens: int) -> Optional[dict[str, Any]]:
         cp.remove()
     handle.remove()
     return {"whole": whole, "sharded": sharded, "after": after, "victim": victim}
+
+
+def on_cpu_flash(mesh: Optional[Any], worker: str, *args: Any) -> Optional[dict[str, Any]]:
+    """``worker`` (a function of this module) with Transformers' FlashAttention kernels routed to the
+    CPU test double (per-sequence SDPA with flash's bottom-right causal alignment)."""
+    from model_patches.testing import cpu_flash_attention
+
+    with cpu_flash_attention():
+        return globals()[worker](mesh, *args)
