@@ -130,14 +130,17 @@ def build_mask_builder(target: str, cache_arg: str) -> Callable[[Any], Any]:
                 return original(*args, **kwargs)
             impl = getattr(config, "_attn_implementation", None) or "eager"
             if not reads_as_document_ids(mask):
-                if mask is None and positions is not None and "flash" not in impl and _empty_cache(cache):
+                if mask is None and positions is not None and (_empty_cache(cache) or ("flash" in impl and cache is None)):
                     # Packed position_ids with a (fresh) cache: stock skips its packed-sequence
-                    # detection whenever a cache exists and lets documents attend to each other.
+                    # detection whenever a cache exists and lets documents attend to each other;
+                    # on flash it reads them at batch size 1 only.
                     ids = split_at_position_resets(
                         torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device), positions
                     )
-                    if _without_documents(impl, ids):
+                    if _without_documents(impl, ids) or ("flash" in impl and ids.shape[0] == 1):
                         return original(*args, **kwargs)
+                    if "flash" in impl:  # the document ids are flash's layer mask (per-document cu_seqlens)
+                        return ids
                     return _same_document_call(original, args, kwargs, params, ids, cache)
                 return original(*args, **kwargs)
             ids = document_ids(mask)

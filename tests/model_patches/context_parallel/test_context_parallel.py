@@ -97,8 +97,7 @@ def test_fsdp2_over_data_and_context_parallel_2_by_2_equals_one_process(pool):
 def test_flash_attention_varlen_equals_one_process(pool, family, world, config):
     """FlashAttention (Transformers' kernels routed to the CPU double: per-sequence SDPA with flash's
     bottom-right causal alignment and window): each piece of a document is a varlen sequence against
-    its document's keys up to it. Against one process on sdpa (on 2 packed rows Transformers' own
-    flash path reads packed ``position_ids`` only at batch size 1)."""
+    its document's keys up to it. Against one process on sdpa."""
     runs = pool.run(workers.on_cpu_flash, (world,), "train_steps", family, "sdpa", 3, 100, 0, False, False, config,
                     1 << 26, None, "flash_attention_2")
     for rank, r in enumerate(runs[:world]):

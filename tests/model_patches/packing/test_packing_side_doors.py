@@ -1,7 +1,8 @@
 """Ways documents used to leak around the indexed mask, each now correct or refused.
 
 - position-id packing (``DataCollatorWithFlattening``, TRL ``padding_free``: no mask, positions
-  restarting at every document) while a cache exists (``use_cache`` left at its default);
+  restarting at every document) while a cache exists (``use_cache`` left at its default), and on
+  flash attention with more than one row;
 - packed ``position_ids`` together with a 0/1 (or all-ones) 2D mask;
 - absolute position embeddings (GPT-2) with an indexed mask and no ``position_ids``;
 - families packing still refuses (stateful mixers it does not run per document, models with
@@ -69,6 +70,33 @@ def test_packed_positions_with_a_padding_mask(implementation: str) -> None:
         assert _gap(model, ids, positions, attention_mask=mask, use_cache=False) > LEAK
         with enable_packing():
             assert _gap(model, ids, positions, attention_mask=mask, use_cache=False) <= TOL
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flash_attention_3"])
+def test_position_id_packing_on_flash_attention_with_several_rows(implementation: str) -> None:
+    """Transformers' flash path reads packed ``position_ids`` at batch size 1 only: two packed rows
+    ran causal attention over each whole row. With packing, each row's documents are apart."""
+    from model_patches.testing import cpu_flash_attention
+
+    model = use_attention(_model("llama"), implementation)
+    ids, positions = _flattened()
+    rows, places = torch.cat([ids, ids.flip(1)]), torch.cat([positions, positions])
+
+    def gap() -> float:
+        with torch.no_grad():
+            got, gaps = model(input_ids=rows, position_ids=places, use_cache=False).logits, []
+            for r in range(2):
+                start = 0
+                for n in _LENGTHS:
+                    alone = model(input_ids=rows[r : r + 1, start : start + n], use_cache=False).logits[0]
+                    gaps.append(float((got[r, start : start + n] - alone).abs().max()))
+                    start += n
+        return max(gaps)
+
+    with cpu_flash_attention():
+        assert gap() > LEAK
+        with enable_packing():
+            assert gap() <= TOL
 
 
 def test_absolute_positions_need_per_document_position_ids() -> None:
