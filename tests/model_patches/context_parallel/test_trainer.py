@@ -24,9 +24,15 @@ pool = dist_pool_fixture(4)
 
 @pytest.fixture(scope="module")
 def one_process():
-    """The references: one process, the whole global batch per step (as one, and as 2 accumulated)."""
-    return {(trainer, accumulation): workers.train(None, trainer, accumulation=accumulation)
+    """The references: one process, the whole global batch per step (as one, and as 2 accumulated),
+    each in a fresh process (a run sets Accelerate's state and functional_ce's maths for its process)."""
+    from bench.harness import isolated
+
+    runs = {(trainer, accumulation): isolated.call(workers.reference, trainer, accumulation, timeout=600)
             for trainer, accumulation in (("trainer", 1), ("trainer", 2), ("sft", 1))}
+    for run in runs.values():
+        run["updates"] = {name: torch.from_numpy(a) for name, a in run["updates"].items()}
+    return runs
 
 
 def _same_run(run: dict, reference: dict, what: str, tolerance: float) -> None:

@@ -122,3 +122,10 @@ def ulysses_refusal(mesh: Optional[Any], packed: bool, implementation: str) -> O
     config = types.SimpleNamespace(sp_enabled=True, sp_backend="deepspeed", sp_size=2)
     fake = types.SimpleNamespace(accelerator=types.SimpleNamespace(parallelism_config=config, unwrap_model=lambda m: m))
     return trainer._ulysses_refusal(fake, model, inputs)
+
+
+def reference(trainer: str, accumulation: int) -> dict[str, Any]:
+    """:func:`train` on one process, for a fresh process of its own: the tensors as numpy arrays
+    (pickled by value: the process may exit before the parent reads them)."""
+    run = train(None, trainer, 1, 1, accumulation)
+    return {**run, "updates": {name: t.numpy() for name, t in run["updates"].items()}}
