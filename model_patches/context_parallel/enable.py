@@ -294,17 +294,24 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     Returns:
         A :class:`ContextParallelHandle` (``remove()`` or ``with``).
     """
-    why = _refusal(model)
-    if why is not None:
-        raise ValueError(f"enable_context_parallel: {type(model).__name__} has {why}")
-    configs = _configs(model)
-    check = _router_loss_check(model, configs)
-    check({})
+    configs, check = _checked(model, "enable_context_parallel")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("enable_context_parallel needs an initialised process group "
                            "(torch.distributed.init_process_group)")
     cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group), mask_elements=_mask_elements(mask_elements))
     return _enable(model, cp, configs, check)
+
+
+def _checked(model: nn.Module, who: str) -> tuple[list[Any], Callable[[dict[str, Any]], None]]:
+    """``model``'s configs and its forward check (:func:`_router_loss_check`), after raising what
+    context parallelism refuses for it."""
+    why = _refusal(model)
+    if why is not None:
+        raise ValueError(f"{who}: {type(model).__name__} has {why}")
+    configs = _configs(model)
+    check = _router_loss_check(model, configs)
+    check({})
+    return configs, check
 
 
 def _mask_elements(value: Optional[int]) -> int:
@@ -323,12 +330,7 @@ def simulate_context_parallel(model: nn.Module, world: int, *,
     :func:`enable_context_parallel` refuses; ``mask_elements`` as there."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int (processes the sequence is sharded over), got {world!r}")
-    why = _refusal(model)
-    if why is not None:
-        raise ValueError(f"simulate_context_parallel: {type(model).__name__} has {why}")
-    configs = _configs(model)
-    check = _router_loss_check(model, configs)
-    check({})
+    configs, check = _checked(model, "simulate_context_parallel")
     cp = CPGroup(None, world, 0, mask_elements=_mask_elements(mask_elements), simulated=True)
     return _enable(model, cp, configs, check)
 
