@@ -45,10 +45,11 @@ WINDOW = {"sliding_window": 16}
     ("llama", 4, "sdpa", False, False, {}, None), ("llama", 2, "sdpa", True, False, {}, None),
     ("qwen3_moe", 4, "sdpa", False, True, {}, None),
     ("mistral", 4, "sdpa", False, False, WINDOW, None),   # every layer windowed
-    ("gemma2", 2, "eager", False, False, WINDOW, None),   # windowed and full layers, soft-capping (eager)
-    ("gemma3_text", 4, "sdpa", False, False, WINDOW, None),
+    # windowed and full layers, soft-capping (eager); the same window mask as Mistral's: nightly
+    pytest.param("gemma2", 2, "eager", False, False, WINDOW, None, marks=pytest.mark.slow),
+    pytest.param("gemma3_text", 4, "sdpa", False, False, WINDOW, None, marks=pytest.mark.slow),
     ("llama", 2, "sdpa", True, False, {}, "long_context"),  # checkpoints recompute the gathers; tiled MLPs
-    ("qwen3_moe", 2, "sdpa", True, False, {}, "non_moe"),
+    pytest.param("qwen3_moe", 2, "sdpa", True, False, {}, "non_moe", marks=pytest.mark.slow),
 ])
 def test_three_steps_equal_one_process(pool, family, world, attention, linear_loss, router_loss, config, policy):
     """Qwen3-MoE with its load-balancing loss: counted over the whole sequence on every process.
@@ -120,8 +121,8 @@ def test_flex_attention_forward_equals_one_process_and_keeps_documents_apart(poo
         assert not torch.equal(r["after"][0, r["victim"]], r["sharded"][0, r["victim"]])
 
 
-@pytest.mark.parametrize("family, world, config", [("llama", 2, {}), ("llama", 4, {}), ("qwen3_moe", 4, {}),
-                                                  ("mistral", 4, WINDOW)])
+@pytest.mark.parametrize("family, world, config", [pytest.param("llama", 2, {}, marks=pytest.mark.slow),
+                                                  ("llama", 4, {}), ("qwen3_moe", 4, {}), ("mistral", 4, WINDOW)])
 def test_no_document_sees_another(pool, family, world, config):
     for r in pool.run(workers.perturbed_document, (world,), family, "sdpa", 100, config)[:world]:
         others = ~r["victim"]
