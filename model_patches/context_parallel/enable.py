@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from .attention import (
 )
 from .layout import DocumentLayout, document_ids
 from .router_loss import forward_hooks
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ContextParallelHandle", "enable_context_parallel", "shard_batch", "simulate_context_parallel"]
 
@@ -265,10 +268,10 @@ def _router_loss_check(model: nn.Module, configs: list[Any]) -> Callable[[dict[s
 MASK_ELEMENTS = 1 << 26
 
 
-def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
+def enable_context_parallel(model: nn.Module, group: Union[dist.ProcessGroup, "DeviceMesh", None] = None, *,
                             mask_elements: Optional[int] = None) -> ContextParallelHandle:
-    """Run ``model``'s attention context-parallel over ``group`` (None: the default group), packed
-    documents kept apart.
+    """Run ``model``'s attention context-parallel over ``group`` (a process group, a 1-D device
+    mesh such as ``mesh["cp"]``, or None: the default group), packed documents kept apart.
 
     Each process holds a head-tail piece of every packed document (:meth:`ContextParallelHandle.shard`);
     each attention layer all-gathers keys and values over the group and attends its local queries
@@ -298,6 +301,11 @@ def enable_context_parallel(model: nn.Module, group: Optional[dist.ProcessGroup]
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("enable_context_parallel needs an initialised process group "
                            "(torch.distributed.init_process_group)")
+    if hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"enable_context_parallel takes a 1-D device mesh (the context-parallel dimension, "
+                             f"mesh['cp']), got {group.ndim} dimensions {group.mesh_dim_names}")
+        group = group.get_group()
     cp = CPGroup(group, dist.get_world_size(group), dist.get_rank(group), mask_elements=_mask_elements(mask_elements))
     return _enable(model, cp, configs, check)
 

@@ -117,7 +117,7 @@ def perturbed_document(mesh: Optional[Any], family: str, attention: str, tokens:
     if mesh is None:
         return None
     model = _model(family, attention, 0, **(config or {}))
-    cp = model_patches.enable_context_parallel(model, mesh.get_group())
+    cp = model_patches.enable_context_parallel(model, mesh)  # the mesh itself, as mesh["cp"] is passed
     batch = packed_rows(1, tokens, model.config.vocab_size, seed=3)
     docs = model_patches.context_parallel.document_ids(batch["position_ids"])
     victim = int(torch.bincount(docs[0]).argmax())  # the longest document: its pieces are on every rank
