@@ -46,6 +46,7 @@ __all__ = [
     "live_records",
     "is_applied",
     "installed_version",
+    "package_version",
     "NEWEST_TESTED",
 ]
 
@@ -131,6 +132,16 @@ class StatusTable(list):
         lines = ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def package_version(name: str) -> Optional[str]:
+    """The imported ``name.__version__`` (a distribution some records gate on: ``"trl"``,
+    ``"accelerate"``), or None when it is not installed."""
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    return str(module.__version__)
 
 
 def installed_version() -> str:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..registry import PatchRecord, StatusRow, StatusTable, is_applied, record_status
+from ..registry import PatchRecord, StatusRow, StatusTable, is_applied, package_version, record_status
 from ..targets import parameters_probe
 from .enable import enable_context_parallel, shard_batch
 
@@ -237,11 +237,7 @@ ACCELERATE_HOOKS_RECORD = PatchRecord(
 
 def accelerate_version() -> Optional[str]:
     """The installed Accelerate's version (what :data:`ACCELERATE_HOOKS_RECORD` is gated on), or None."""
-    try:
-        import accelerate
-    except ImportError:
-        return None
-    return str(accelerate.__version__)
+    return package_version("accelerate")
 
 
 #: How a handle of these records names them. :func:`~model_patches.enable_packing` applies them (and,

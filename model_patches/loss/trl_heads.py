@@ -52,7 +52,7 @@ import torch.nn as nn
 from patch_layer import Handle
 
 from ..checkpoint_resume import RESUME_RECORDS, RESUME_WHAT
-from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, record_status
+from ..registry import PatchHandle, PatchRecord, StatusRow, StatusTable, apply_records, package_version, record_status
 from ..targets import parameters_probe
 from .per_model_state import REFUSALS, ROUTED, ModelScope, Refusal, ReleaseWithModel, refusal, trl_heads_routed
 from .trl_compute import OPTIONAL_OUTPUTS, routed_divergence, routed_logprobs
@@ -161,11 +161,7 @@ RECORDS = (
 
 
 def _trl_version() -> Optional[str]:
-    try:
-        import trl
-    except ImportError:
-        return None
-    return str(trl.__version__)
+    return package_version("trl")
 
 
 _NOT_INSTALLED = "trl is not installed"
